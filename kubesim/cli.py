@@ -1,0 +1,56 @@
+"""`kubevbmc sim`: run a simulated cluster until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from .cluster import Cluster, SimConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:6443", metavar="HOST:PORT",
+                        help="address of the API server (port 0 picks a free one; default %(default)s)")
+    parser.add_argument("--kubeconfig", default="", metavar="PATH",
+                        help="where to write the kubeconfig (default: a new temporary directory)")
+    parser.add_argument("--kubelet", choices=("process", "fake"), default="process",
+                        help="process: run the project's image as local processes; fake: mark pods Running "
+                             "and Ready without running anything (scale tests)")
+    parser.add_argument("--vm-start-delay", type=float, default=1.0, metavar="SECONDS")
+    parser.add_argument("--vm-stop-delay", type=float, default=2.0, metavar="SECONDS")
+    parser.add_argument("--import-delay", type=float, default=1.0, metavar="SECONDS")
+    parser.add_argument("--history", type=int, default=20000, metavar="EVENTS",
+                        help="watch events kept for resumption; older resourceVersions get 410 Gone")
+    parser.add_argument("--log-dir", default="", help="where agent pods write their logs")
+    parser.add_argument("-v", "--verbose", action="store_true")
+
+
+def config_from(args: Any) -> SimConfig:
+    host, _, port = args.listen.rpartition(":")
+    return SimConfig(host=host or "127.0.0.1", port=int(port), kubeconfig=args.kubeconfig,
+                     kubelet_mode=args.kubelet, vm_start_delay=args.vm_start_delay,
+                     vm_stop_delay=args.vm_stop_delay, import_delay=args.import_delay,
+                     history_size=args.history, log_dir=args.log_dir,
+                     local_entrypoint=[sys.executable, "-m", "vbmc"])
+
+
+def run(args: Any) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(config_from(args))
+    cluster.start()
+    print(f"kubeconfig: {cluster.kubeconfig}", flush=True)
+    print(f"server: {cluster.url}", flush=True)
+    print("ready", flush=True)
+    try:
+        stop.wait()
+    finally:
+        cluster.stop()
+    return 0

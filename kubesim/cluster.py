@@ -1,0 +1,146 @@
+"""A whole simulated cluster: the store, the API server and the controllers that play the cluster's parts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import base64
+import secrets
+import ssl
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources as package_files
+from typing import Any, Protocol
+
+import yaml
+
+from . import builtin, cdi, kubelet, kubevirt, network, workloads
+from .certs import serving_cert
+from .crd import CRD_KEY, CRDController
+from .gc import GarbageCollector, NamespaceController
+from .server import ApiServer
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+CRD_FILES = ("kubevirt.io_virtualmachines.yaml", "kubevirt.io_virtualmachineinstances.yaml",
+             "cdi.kubevirt.io_datavolumes.yaml")
+NODE_NAME = "kubesim-node"
+ADMIN_USER = "kubernetes-admin"
+
+
+@dataclass
+class SimConfig:
+    host: str = "127.0.0.1"
+    port: int = 6443
+    kubeconfig: str = ""
+    history_size: int = 20000
+    bookmark_interval: float = 5.0
+    # KubeVirt timings (seconds): VMI Scheduled->Running, graceful ACPI shutdown, CDI import.
+    vm_start_delay: float = 1.0
+    vm_stop_delay: float = 2.0
+    import_delay: float = 1.0
+    # kubelet: "process" runs the project's image as local processes; "fake" marks pods Running and Ready.
+    kubelet_mode: str = "process"
+    # Images the kubelet runs as local processes (a regular expression on the image reference).
+    local_image: str = r"(^|/)kubevbmc(:[^/]*)?(@.*)?$"
+    # The command that stands for the image's entrypoint (`kubevbmc`), e.g. [sys.executable, "-m", "vbmc"].
+    local_entrypoint: list[str] = field(default_factory=list)
+    pod_cidr: str = "127.1.0.0/16"
+    service_cidr: str = "127.2.0.0/16"
+    node_port_host: str = "127.0.0.1"
+    log_dir: str = ""
+
+
+class Component(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Cluster:
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self.store = Store(history_size=self.config.history_size)
+        self.admin_token = secrets.token_hex(16)
+        self.tokens: dict[str, str] = {self.admin_token: ADMIN_USER}
+        self.certs = serving_cert(["127.0.0.1", "localhost", self.config.host, "kubernetes.default.svc"])
+        self.cert_dir = tempfile.mkdtemp(prefix="kubesim-tls-")
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        cert_file, key_file = (os.path.join(self.cert_dir, n) for n in ("apiserver.crt", "apiserver.key"))
+        with open(cert_file, "wb") as fh:
+            fh.write(self.certs.cert_pem)
+        with open(key_file, "wb") as fh:
+            fh.write(self.certs.key_pem)
+        tls.load_cert_chain(cert_file, key_file)
+        self.ca_file = os.path.join(self.cert_dir, "ca.crt")
+        with open(self.ca_file, "wb") as fh:
+            fh.write(self.certs.ca_pem)
+        self.server = ApiServer(self.store, self.tokens, self.config.bookmark_interval, tls)
+        self.components: list[Component] = []
+        self.address = ""
+        self.kubeconfig = ""
+        for rtype in builtin.builtin_types():
+            self.store.add_type(rtype)
+        self.components += [CRDController(self.store), GarbageCollector(self.store),
+                            NamespaceController(self.store)]
+        for part in (network, workloads, kubelet, kubevirt, cdi):
+            part.install(self)
+
+    @property
+    def url(self) -> str:
+        return f"https://{self.address}"
+
+    def add_component(self, component: Component) -> None:
+        self.components.append(component)
+
+    def new_token(self, user: str) -> str:
+        token = secrets.token_hex(16)
+        self.tokens[token] = user
+        return token
+
+    def start(self) -> None:
+        for component in self.components:
+            component.start()
+        self._bootstrap()
+        host, port = self.server.start(self.config.host, self.config.port)
+        self.address = f"{host}:{port}"
+        self.kubeconfig = self.write_kubeconfig(self.config.kubeconfig, self.admin_token, ADMIN_USER)
+
+    def stop(self) -> None:
+        self.server.stop()
+        for component in reversed(self.components):
+            try:
+                component.stop()
+            except Exception:
+                log.exception("stopping %s", component)
+
+    def write_kubeconfig(self, path: str, token: str, user: str, namespace: str = "default") -> str:
+        if not path:
+            path = os.path.join(tempfile.mkdtemp(prefix="kubesim-"), "kubeconfig")
+        config: dict[str, Any] = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "kubesim", "preferences": {},
+            "clusters": [{"name": "kubesim", "cluster": {
+                "server": self.url,
+                "certificate-authority-data": base64.b64encode(self.certs.ca_pem).decode()}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "kubesim", "context": {"cluster": "kubesim", "user": user,
+                                                          "namespace": namespace}}],
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            yaml.safe_dump(config, fh)
+        os.chmod(path, 0o600)
+        return path
+
+    def _bootstrap(self) -> None:
+        store = self.store
+        for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
+            store.create(store.type("/namespaces"), {"metadata": {"name": name}})
+        store.create(store.type("/nodes"), {
+            "metadata": {"name": NODE_NAME, "labels": {"kubernetes.io/hostname": NODE_NAME}},
+        })
+        crd_type = store.type(CRD_KEY)
+        for filename in CRD_FILES:
+            text = package_files.files("kubesim").joinpath("crds", filename).read_text(encoding="utf-8")
+            store.create(crd_type, yaml.safe_load(text), manager="kubesim")

@@ -1,0 +1,333 @@
+"""Managed fields and server-side apply.
+
+A field set is a set of paths; each path is a tuple of fieldsV1 keys: `f:name` for a map key, `k:{...}` for an
+item of an associative list, `v:...` for an item of a set list, and `.` for the item itself. Ownership lives in
+the object's own `metadata.managedFields`, as on a real API server, so it survives any restart of whoever reads
+it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import errors
+from .resources import ResourceType
+from .structure import ATOMIC, SET, list_type
+
+Obj = dict[str, Any]
+Path = tuple[str, ...]
+
+# Metadata fields the server owns; they never appear in managedFields.
+_SERVER_METADATA = {"name", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp",
+                    "deletionTimestamp", "deletionGracePeriodSeconds", "managedFields", "selfLink", "generateName"}
+
+
+def _item_key(item: Obj, keys: tuple[str, ...]) -> str:
+    return "k:" + json.dumps({k: item.get(k) for k in sorted(keys) if k in item}, separators=(",", ":"))
+
+
+def field_set(rtype: ResourceType, obj: Obj, subresource: str = "") -> set[Path]:
+    """The paths `obj` sets, limited to what the endpoint (main resource or `/status`) may change."""
+    out: set[Path] = set()
+    for key, value in obj.items():
+        if key in ("apiVersion", "kind"):
+            continue
+        if key == "metadata":
+            if subresource or not isinstance(value, dict):
+                continue
+            meta = {k: v for k, v in value.items() if k not in _SERVER_METADATA}
+            _walk(rtype, ("metadata",), ("f:metadata",), meta, out)
+            continue
+        if rtype.status_subresource and (key == "status") != (subresource == "status"):
+            continue
+        _walk(rtype, (key,), ("f:" + key,), value, out)
+    return out
+
+
+def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, out: set[Path]) -> None:
+    if isinstance(value, dict) and value:
+        for key, child in value.items():
+            _walk(rtype, (*names, key), (*path, "f:" + key), child, out)
+        return
+    if isinstance(value, list) and value:
+        kind = list_type(rtype, names)
+        if kind == ATOMIC:
+            out.add(path)
+            return
+        if kind == SET:
+            for item in value:
+                out.add((*path, "v:" + json.dumps(item, separators=(",", ":"))))
+            return
+        for item in value:
+            if not isinstance(item, dict):
+                out.add(path)
+                return
+            item_path = (*path, _item_key(item, kind))
+            out.add((*item_path, "."))
+            for key, child in item.items():
+                _walk(rtype, names, (*item_path, "f:" + key), child, out)
+        return
+    out.add(path)
+
+
+def value_at(rtype: ResourceType, obj: Any, path: Path) -> Any:
+    """The value at `path`, or a sentinel when absent."""
+    node = obj
+    for elem in path:
+        if elem == ".":
+            return node
+        if elem.startswith("f:"):
+            if not isinstance(node, dict) or elem[2:] not in node:
+                return _ABSENT
+            node = node[elem[2:]]
+        elif elem.startswith("k:"):
+            ident = json.loads(elem[2:])
+            if not isinstance(node, list):
+                return _ABSENT
+            node = next((i for i in node if isinstance(i, dict)
+                         and all(i.get(k) == v for k, v in ident.items())), _ABSENT)
+            if node is _ABSENT:
+                return _ABSENT
+        elif elem.startswith("v:"):
+            value = json.loads(elem[2:])
+            return value if isinstance(node, list) and value in node else _ABSENT
+    return node
+
+
+_ABSENT = object()
+
+
+# ---- fieldsV1 encoding
+
+
+def encode(paths: set[Path]) -> Obj:
+    tree: Obj = {}
+    for path in sorted(paths):
+        node = tree
+        for elem in path:
+            node = node.setdefault(elem, {})
+    return tree
+
+
+def decode(tree: Obj, prefix: Path = ()) -> set[Path]:
+    out: set[Path] = set()
+    for key, child in tree.items():
+        path = (*prefix, key)
+        if isinstance(child, dict) and child:
+            out |= decode(child, path)
+        else:
+            out.add(path)
+    return out
+
+
+@dataclass
+class Entry:
+    manager: str
+    operation: str  # Apply or Update
+    subresource: str
+    api_version: str
+    time: str
+    paths: set[Path]
+
+    @property
+    def ident(self) -> tuple[str, str, str]:
+        return (self.manager, self.operation, self.subresource)
+
+
+def read_entries(obj: Obj) -> list[Entry]:
+    entries = []
+    for mf in obj.get("metadata", {}).get("managedFields") or []:
+        entries.append(Entry(
+            manager=mf.get("manager", ""), operation=mf.get("operation", "Update"),
+            subresource=mf.get("subresource", ""), api_version=mf.get("apiVersion", ""),
+            time=mf.get("time", ""), paths=decode(mf.get("fieldsV1") or {}),
+        ))
+    return entries
+
+
+def write_entries(obj: Obj, entries: list[Entry]) -> None:
+    out = []
+    for e in entries:
+        if not e.paths:
+            continue
+        mf: Obj = {"manager": e.manager, "operation": e.operation, "apiVersion": e.api_version,
+                   "time": e.time, "fieldsType": "FieldsV1", "fieldsV1": encode(e.paths)}
+        if e.subresource:
+            mf["subresource"] = e.subresource
+        out.append(mf)
+    meta = obj.setdefault("metadata", {})
+    if out:
+        meta["managedFields"] = out
+    else:
+        meta.pop("managedFields", None)
+
+
+def _touch(entries: list[Entry], ident: tuple[str, str, str], api_version: str, now: str) -> Entry:
+    for e in entries:
+        if e.ident == ident:
+            return e
+    entry = Entry(ident[0], ident[1], ident[2], api_version, now, set())
+    entries.append(entry)
+    return entry
+
+
+def _covers(owned: set[Path], path: Path) -> bool:
+    """Whether a path or anything below it is owned."""
+    if path in owned:
+        return True
+    n = len(path)
+    return any(len(p) > n and p[:n] == path for p in owned)
+
+
+# ---- updates (POST, PUT, merge/JSON/strategic patches)
+
+
+def track_update(rtype: ResourceType, old: Obj | None, new: Obj, manager: str, subresource: str,
+                 api_version: str, now: str) -> None:
+    """Give `manager` (operation Update) the fields this write changed, taking them from everyone else."""
+    entries = read_entries(old) if old is not None else []
+    before = field_set(rtype, old, subresource) if old is not None else set()
+    after = field_set(rtype, new, subresource)
+    changed = {p for p in after if p not in before or value_at(rtype, old, p) != value_at(rtype, new, p)}
+    removed = before - after
+    if changed or removed:
+        for e in entries:
+            e.paths -= changed | removed
+        mine = _touch(entries, (manager, "Update", subresource), api_version, now)
+        if changed:
+            mine.paths |= changed
+            mine.time, mine.api_version = now, api_version
+    write_entries(new, entries)
+
+
+# ---- server-side apply
+
+
+def apply(rtype: ResourceType, live: Obj, config: Obj, manager: str, subresource: str, force: bool,
+          api_version: str, now: str) -> Obj:
+    """Merge an applied configuration into the live object; 409 Conflict on a field another manager owns."""
+    entries = read_entries(live)
+    ident = (manager, "Apply", subresource)
+    wanted = field_set(rtype, config, subresource)
+    conflicts: list[tuple[str, Path]] = []
+    for e in entries:
+        if e.ident == ident:
+            continue
+        for p in wanted & e.paths:
+            if p[-1] == "." or value_at(rtype, live, p) == value_at(rtype, config, p):
+                continue
+            if force:
+                e.paths.discard(p)
+            else:
+                conflicts.append((e.manager, p))
+    if conflicts:
+        causes = [{"reason": "FieldManagerConflict", "message": f'conflict with "{m}"', "field": _dotted(p)}
+                  for m, p in sorted(conflicts)]
+        detail = "\n".join(f'- conflict with "{m}": {_dotted(p)}' for m, p in sorted(conflicts))
+        raise errors.ApiError(
+            409, "Conflict",
+            f"Apply failed with {len(conflicts)} conflict{'s' if len(conflicts) > 1 else ''}: {detail}",
+            details={"causes": causes, "kind": rtype.plural, "name": live["metadata"]["name"],
+                     **({"group": rtype.group} if rtype.group else {})})
+    merged = _merge(rtype, (), live, _scope(rtype, config, subresource))
+    mine = _touch(entries, ident, api_version, now)
+    others: set[Path] = set().union(*(e.paths for e in entries if e.ident != ident))
+    for path in sorted(mine.paths - wanted, key=len, reverse=True):
+        if path[-1] == ".":
+            path = path[:-1]
+        if not _covers(others, path) and not _covers(wanted, path):
+            _remove(merged, path)
+    if mine.paths != wanted:
+        mine.paths, mine.time, mine.api_version = set(wanted), now, api_version
+    write_entries(merged, entries)
+    return merged
+
+
+def _scope(rtype: ResourceType, config: Obj, subresource: str) -> Obj:
+    """The part of an applied configuration the endpoint may change."""
+    out = {}
+    for key, value in config.items():
+        if key in ("apiVersion", "kind"):
+            continue
+        if key == "metadata":
+            if not subresource and isinstance(value, dict):
+                out["metadata"] = {k: v for k, v in value.items() if k not in _SERVER_METADATA}
+            continue
+        if rtype.status_subresource and (key == "status") != (subresource == "status"):
+            continue
+        out[key] = value
+    return out
+
+
+def _merge(rtype: ResourceType, names: tuple[str, ...], live: Any, config: Any) -> Any:
+    if isinstance(config, dict) and isinstance(live, dict):
+        out = dict(live)
+        for key, value in config.items():
+            if value is None:
+                continue
+            out[key] = _merge(rtype, (*names, key), live.get(key), value)
+        return out
+    if isinstance(config, list) and isinstance(live, list):
+        kind = list_type(rtype, names)
+        if kind == ATOMIC:
+            return copy.deepcopy(config)
+        if kind == SET:
+            return list(live) + [copy.deepcopy(v) for v in config if v not in live]
+        out_list = list(live)
+        for item in config:
+            if not isinstance(item, dict):
+                return copy.deepcopy(config)
+            index = next((i for i, cur in enumerate(out_list) if isinstance(cur, dict)
+                          and all(cur.get(k) == item.get(k) for k in kind)), None)
+            if index is None:
+                out_list.append(copy.deepcopy(item))
+            else:
+                out_list[index] = _merge(rtype, names, out_list[index], item)
+        return out_list
+    return copy.deepcopy(config)
+
+
+def _remove(obj: Obj, path: Path) -> None:
+    """Remove the field or list item at `path`, and any map or list it leaves empty."""
+    parents: list[tuple[Any, Any]] = []
+    node: Any = obj
+    for elem in path:
+        if elem.startswith("f:"):
+            if not isinstance(node, dict) or elem[2:] not in node:
+                return
+            parents.append((node, elem[2:]))
+            node = node[elem[2:]]
+        elif elem.startswith("k:") or elem.startswith("v:"):
+            if not isinstance(node, list):
+                return
+            if elem.startswith("k:"):
+                ident = json.loads(elem[2:])
+                index = next((i for i, it in enumerate(node) if isinstance(it, dict)
+                              and all(it.get(k) == v for k, v in ident.items())), None)
+            else:
+                value = json.loads(elem[2:])
+                index = node.index(value) if value in node else None
+            if index is None:
+                return
+            parents.append((node, index))
+            node = node[index]
+    if not parents:
+        return
+    container, key = parents.pop()
+    del container[key]
+    while parents and not container:
+        container, key = parents.pop()
+        del container[key]
+
+
+def _dotted(path: Path) -> str:
+    out = ""
+    for elem in path:
+        if elem.startswith("f:"):
+            out += "." + elem[2:]
+        elif elem.startswith("k:") or elem.startswith("v:"):
+            out += "[" + elem[2:] + "]"
+    return out

@@ -1,0 +1,187 @@
+"""The garbage collector and the namespace controller of kube-controller-manager.
+
+Dependents whose owners are all gone are deleted (background); an owner deleted in the foreground waits,
+with its `foregroundDeletion` finalizer, until its dependents are gone; an `orphan` finalizer strips the
+owner reference from dependents first. A namespace being deleted empties itself, then disappears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+from . import errors
+from .loop import ControlLoop
+from .store import DELETED, Event, Store
+
+Obj = dict[str, Any]
+
+
+class GarbageCollector(ControlLoop):
+    name = "garbage-collector"
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store, workers=2)
+        # owner uid -> dependents (type key, namespace, name); rebuilt from events, never from a scan per sync.
+        self._dependents: dict[str, set[tuple[str, str, str]]] = {}
+
+    def _hear(self, event: Event) -> None:
+        meta = event.obj["metadata"]
+        me = (event.rtype.key, meta.get("namespace", ""), meta["name"])
+        old_refs = {r.get("uid") for r in ((event.old or {}).get("metadata", {}).get("ownerReferences") or [])}
+        refs = {r.get("uid") for r in meta.get("ownerReferences") or []} if event.type != DELETED else set()
+        for uid in old_refs - refs:
+            self._dependents.get(uid, set()).discard(me)
+        for uid in refs:
+            self._dependents.setdefault(uid, set()).add(me)
+        if refs or old_refs:
+            self.enqueue(("dependent", *me))
+        if event.type == DELETED or meta.get("deletionTimestamp"):
+            self.enqueue(("owner", meta["uid"], *me))
+
+    def keys_for(self, event: Event) -> Iterable[Hashable]:
+        return []
+
+    def sync(self, key: Hashable) -> float | None:
+        assert isinstance(key, tuple)
+        if key[0] == "dependent":
+            return self._sync_dependent(key[1], key[2], key[3])
+        return self._sync_owner(key[1], key[2], key[3], key[4])
+
+    def _sync_dependent(self, type_key: str, namespace: str, name: str) -> float | None:
+        store = self.store
+        try:
+            rtype = store.type(type_key)
+        except KeyError:
+            return None
+        obj = store.find(rtype, namespace, name)
+        if obj is None or obj["metadata"].get("deletionTimestamp"):
+            return None
+        refs = obj["metadata"].get("ownerReferences") or []
+        if not refs:
+            return None
+        alive = []
+        for ref in refs:
+            found = store.by_uid(ref.get("uid", ""))
+            if found is not None and found[1]["metadata"].get("namespace", "") in ("", namespace):
+                owner = found[1]
+                if "foregroundDeletion" in (owner["metadata"].get("finalizers") or []):
+                    # The owner waits for us: delete in the foreground too.
+                    self._delete(rtype, namespace, name, "Foreground")
+                    return None
+                alive.append(ref)
+        if not alive:
+            self._delete(rtype, namespace, name, "Background")
+        return None
+
+    def _sync_owner(self, uid: str, type_key: str, namespace: str, name: str) -> float | None:
+        store = self.store
+        dependents = sorted(self._dependents.get(uid, set()))
+        try:
+            rtype = store.type(type_key)
+        except KeyError:
+            rtype = None
+        owner = store.find(rtype, namespace, name) if rtype else None
+        if owner is not None and owner["metadata"]["uid"] != uid:
+            owner = None
+        finalizers = (owner or {}).get("metadata", {}).get("finalizers") or []
+        if owner is not None and "orphan" in finalizers:
+            for dep in dependents:
+                self._strip_owner(dep, uid)
+            self._remove_finalizer(rtype, namespace, name, "orphan")
+            return None
+        if owner is not None and "foregroundDeletion" in finalizers:
+            remaining = [d for d in dependents if self._exists(d)]
+            for dep in remaining:
+                self.enqueue(("dependent", *dep))
+            if remaining:
+                return 0.2
+            self._remove_finalizer(rtype, namespace, name, "foregroundDeletion")
+            return None
+        if owner is None:
+            for dep in dependents:
+                self.enqueue(("dependent", *dep))
+            self._dependents.pop(uid, None)
+        return None
+
+    def _exists(self, dep: tuple[str, str, str]) -> bool:
+        try:
+            return self.store.find(self.store.type(dep[0]), dep[1], dep[2]) is not None
+        except KeyError:
+            return False
+
+    def _delete(self, rtype: Any, namespace: str, name: str, propagation: str) -> None:
+        try:
+            self.store.delete(rtype, namespace, name, propagation=propagation)
+        except errors.ApiError as exc:
+            if exc.code != 404:
+                raise
+
+    def _strip_owner(self, dep: tuple[str, str, str], uid: str) -> None:
+        def strip(obj: Obj) -> bool:
+            refs = obj["metadata"].get("ownerReferences") or []
+            kept = [r for r in refs if r.get("uid") != uid]
+            if len(kept) == len(refs):
+                return False
+            if kept:
+                obj["metadata"]["ownerReferences"] = kept
+            else:
+                obj["metadata"].pop("ownerReferences", None)
+            return True
+
+        try:
+            self.store.mutate(self.store.type(dep[0]), dep[1], dep[2], strip, manager="garbage-collector")
+        except KeyError:
+            pass
+
+    def _remove_finalizer(self, rtype: Any, namespace: str, name: str, finalizer: str) -> None:
+        def remove(obj: Obj) -> bool:
+            fins = obj["metadata"].get("finalizers") or []
+            if finalizer not in fins:
+                return False
+            obj["metadata"]["finalizers"] = [f for f in fins if f != finalizer]
+            return True
+
+        self.store.mutate(rtype, namespace, name, remove, manager="garbage-collector")
+
+
+class NamespaceController(ControlLoop):
+    name = "namespace-controller"
+    kinds = ("/namespaces",)
+
+    def keys_for(self, event: Event) -> Iterable[Hashable]:
+        if event.type != DELETED and event.obj["metadata"].get("deletionTimestamp"):
+            return [event.obj["metadata"]["name"]]
+        return []
+
+    def sync(self, key: Hashable) -> float | None:
+        store = self.store
+        ns_type = store.type("/namespaces")
+        ns = store.find(ns_type, "", str(key))
+        if ns is None or not ns["metadata"].get("deletionTimestamp"):
+            return None
+        if ns.get("status", {}).get("phase") != "Terminating":
+            store.mutate(ns_type, "", str(key), lambda o: o.setdefault("status", {}).update(phase="Terminating"),
+                         subresource="status", manager="namespace-controller")
+        remaining = 0
+        for rtype in store.types():
+            if not rtype.namespaced:
+                continue
+            items, _ = store.list(rtype, str(key))
+            for item in items:
+                remaining += 1
+                if not item["metadata"].get("deletionTimestamp"):
+                    try:
+                        store.delete(rtype, str(key), item["metadata"]["name"])
+                    except errors.ApiError as exc:
+                        if exc.code != 404:
+                            raise
+        if remaining:
+            return 0.2
+
+        def finalize(obj: Obj) -> None:
+            obj.setdefault("spec", {})["finalizers"] = []
+
+        # Emptying spec.finalizers (the `finalize` subresource) lets the deletion complete.
+        store.mutate(ns_type, "", str(key), finalize, manager="namespace-controller")
+        return None

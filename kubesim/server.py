@@ -1,0 +1,611 @@
+"""The HTTP face of kubesim: Kubernetes REST paths, discovery, watches and Status errors."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import yaml
+
+from . import errors
+from .jsonpath import evaluate
+from .objects import parse_time
+from .resources import ResourceType
+from .selectors import field_matcher, label_matcher
+from .store import APPLY, Store, decode_continue, encode_continue
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+KUBE_VERSION = {"major": "1", "minor": "36", "gitVersion": "v1.36.0-kubesim", "gitCommit": "kubesim",
+                "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25",
+                "compiler": "gc", "platform": "linux/amd64"}
+OPEN_PATHS = {"/version", "/healthz", "/readyz", "/livez"}
+_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+
+
+@dataclass
+class SubresourceAPI:
+    """An aggregated API group that serves only subresources (KubeVirt's subresources.kubevirt.io)."""
+
+    group: str
+    version: str
+    resources: list[tuple[str, str, bool]]  # (resource/sub, kind, namespaced)
+    # handle(method, namespace, resource, name, sub, body) -> (code, object)
+    handle: Callable[[str, str, str, str, str, Any], tuple[int, Any]]
+
+
+class ApiServer:
+    def __init__(self, store: Store, tokens: dict[str, str], bookmark_interval: float = 5.0,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
+        self.store = store
+        self.tokens = tokens
+        self.bookmark_interval = bookmark_interval
+        self.subresource_apis: dict[tuple[str, str], SubresourceAPI] = {}
+        self.requests = 0
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def add_subresource_api(self, api: SubresourceAPI) -> None:
+        self.subresource_apis[(api.group, api.version)] = api
+
+    def start(self, host: str, port: int) -> tuple[str, int]:
+        server = self
+
+        class Handler(_Handler):
+            api = server
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+            request_queue_size = 256
+
+        self._httpd = Server((host, port), Handler)
+        if self.tls is not None:
+            # The handshake happens in the handler's thread (on first read), not in the accept loop.
+            self._httpd.socket = self.tls.wrap_socket(self._httpd.socket, server_side=True,
+                                                      do_handshake_on_connect=False)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="kubesim-http", daemon=True)
+        self._thread.start()
+        addr = self._httpd.server_address
+        return str(addr[0]), int(addr[1])
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+
+    # ---- discovery
+
+    def _groups(self) -> dict[str, list[str]]:
+        groups: dict[str, list[str]] = {}
+        for rtype in self.store.types():
+            if rtype.group:
+                versions = groups.setdefault(rtype.group, [])
+                for v in rtype.served_versions:
+                    if v not in versions:
+                        versions.append(v)
+        for group, version in self.subresource_apis:
+            groups.setdefault(group, [])
+            if version not in groups[group]:
+                groups[group].append(version)
+        return groups
+
+    def api_group(self, group: str, versions: list[str]) -> Obj:
+        ordered = sorted(versions, key=_version_priority)
+        return {"name": group, "versions": [{"groupVersion": f"{group}/{v}", "version": v} for v in ordered],
+                "preferredVersion": {"groupVersion": f"{group}/{ordered[0]}", "version": ordered[0]}}
+
+    def group_list(self) -> Obj:
+        return {"kind": "APIGroupList", "apiVersion": "v1",
+                "groups": [self.api_group(g, vs) for g, vs in sorted(self._groups().items())]}
+
+    def resource_list(self, group: str, version: str) -> Obj | None:
+        resources: list[Obj] = []
+        found = False
+        for rtype in sorted(self.store.types(), key=lambda t: t.plural):
+            if rtype.group != group or version not in rtype.served_versions:
+                continue
+            found = True
+            entry = {"name": rtype.plural, "singularName": rtype.singular, "namespaced": rtype.namespaced,
+                     "kind": rtype.kind, "verbs": _VERBS}
+            if rtype.short_names:
+                entry["shortNames"] = list(rtype.short_names)
+            if rtype.categories:
+                entry["categories"] = list(rtype.categories)
+            resources.append(entry)
+            if rtype.status_subresource:
+                resources.append({"name": f"{rtype.plural}/status", "singularName": "", "namespaced":
+                                  rtype.namespaced, "kind": rtype.kind, "verbs": ["get", "patch", "update"]})
+        sub = self.subresource_apis.get((group, version))
+        if sub is not None:
+            found = True
+            for name, kind, namespaced in sub.resources:
+                resources.append({"name": name, "singularName": "", "namespaced": namespaced, "kind": kind,
+                                  "verbs": ["put"]})
+        if not found:
+            return None
+        gv = f"{group}/{version}" if group else version
+        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources}
+
+    # ---- OpenAPI v3: only what clients look for (kubectl checks that PATCH takes fieldValidation, so it
+    # validates on the server instead of needing full schemas on the client).
+
+    def _group_versions(self) -> list[tuple[str, str]]:
+        out = {(t.group, v) for t in self.store.types() for v in t.served_versions}
+        return sorted(out)
+
+    def openapi_root(self) -> Obj:
+        paths = {}
+        for group, version in self._group_versions():
+            key = f"apis/{group}/{version}" if group else f"api/{version}"
+            paths[key] = {"serverRelativeURL": f"/openapi/v3/{key}"}
+        return {"paths": paths}
+
+    def openapi_group(self, key: str) -> Obj | None:
+        parts = key.split("/")
+        if parts[0] == "api" and len(parts) == 2:
+            group, version = "", parts[1]
+        elif parts[0] == "apis" and len(parts) == 3:
+            group, version = parts[1], parts[2]
+        else:
+            return None
+        paths: Obj = {}
+        prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
+        params = [{"name": name, "in": "query", "schema": {"type": "string", "uniqueItems": True}}
+                  for name in ("dryRun", "fieldManager", "fieldValidation", "force")]
+        for rtype in self.store.types():
+            if rtype.group != group or version not in rtype.served_versions:
+                continue
+            gvk = {"group": group, "version": version, "kind": rtype.kind}
+            scope = "/namespaces/{namespace}" if rtype.namespaced else ""
+            item = f"{prefix}{scope}/{rtype.plural}/{{name}}"
+            paths[item] = {
+                "get": {"x-kubernetes-action": "get", "x-kubernetes-group-version-kind": gvk},
+                "put": {"x-kubernetes-action": "put", "x-kubernetes-group-version-kind": gvk,
+                        "parameters": params},
+                "patch": {"x-kubernetes-action": "patch", "x-kubernetes-group-version-kind": gvk,
+                          "parameters": params},
+                "delete": {"x-kubernetes-action": "delete", "x-kubernetes-group-version-kind": gvk},
+            }
+            paths[f"{prefix}{scope}/{rtype.plural}"] = {
+                "get": {"x-kubernetes-action": "list", "x-kubernetes-group-version-kind": gvk},
+                "post": {"x-kubernetes-action": "post", "x-kubernetes-group-version-kind": gvk,
+                         "parameters": params},
+            }
+        if not paths:
+            return None
+        return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": KUBE_VERSION["gitVersion"]},
+                "paths": paths, "components": {"schemas": {}}}
+
+
+def _version_priority(version: str) -> tuple[int, int, int]:
+    """Kubernetes version priority: GA > beta > alpha, then higher numbers first."""
+    import re
+    m = re.match(r"^v(\d+)(?:(alpha|beta)(\d+))?$", version)
+    if not m:
+        return (3, 0, 0)
+    major, level, minor = int(m.group(1)), m.group(2), int(m.group(3) or 0)
+    rank = {None: 0, "beta": 1, "alpha": 2}[level]
+    return (rank, -major, -minor)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    api: ApiServer
+    protocol_version = "HTTP/1.1"
+    server_version = "kubesim"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        log.debug("%s - %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_PUT(self) -> None:
+        self._serve("PUT")
+
+    def do_PATCH(self) -> None:
+        self._serve("PATCH")
+
+    def do_DELETE(self) -> None:
+        self._serve("DELETE")
+
+    # ---- plumbing
+
+    def _serve(self, method: str) -> None:
+        self.api.requests += 1
+        url = urlsplit(self.path)
+        self.query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        self.warnings: list[str] = []
+        try:
+            body = self._read_body()
+            if url.path not in OPEN_PATHS:
+                self._authenticate()
+            self._route(method, url.path.rstrip("/") or "/", body)
+        except errors.ApiError as exc:
+            self._send_json(exc.code, exc.status(), exc.headers)
+        except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
+            self.close_connection = True
+        except Exception as exc:
+            log.exception("kubesim: %s %s failed", method, self.path)
+            self._send_json(500, errors.internal(str(exc)).status())
+
+    def _authenticate(self) -> None:
+        header = self.headers.get("Authorization", "")
+        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if token not in self.api.tokens:
+            raise errors.unauthorized()
+        self.user = self.api.tokens[token]
+
+    def _read_body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().strip() or b"0", 16)
+                if size == 0:
+                    self.rfile.readline()
+                    break
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+            return b"".join(chunks)
+        return self.rfile.read(length) if length else b""
+
+    def _decode(self, body: bytes, content_type: str) -> Any:
+        if not body:
+            return None
+        try:
+            if "yaml" in content_type:
+                return yaml.safe_load(body)
+            return json.loads(body)
+        except (ValueError, yaml.YAMLError) as exc:
+            raise errors.bad_request(f"the body of the request could not be decoded: {exc}") from None
+
+    def _send_json(self, code: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Audit-Id", "kubesim")
+        for warning in self.warnings:
+            self.send_header("Warning", '299 - "' + warning.replace('"', '\\"') + '"')
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    # ---- routing
+
+    def _route(self, method: str, path: str, raw: bytes) -> None:
+        api = self.api
+        if path in ("/healthz", "/readyz", "/livez"):
+            data = b"ok"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        if path == "/version":
+            return self._send_json(200, KUBE_VERSION)
+        if path == "/api":
+            host = self.headers.get("Host", "")
+            return self._send_json(200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs":
+                                         [{"clientCIDR": "0.0.0.0/0", "serverAddress": host}]})
+        if path == "/apis":
+            return self._send_json(200, api.group_list())
+        if path == "/openapi/v3":
+            return self._send_json(200, api.openapi_root())
+        if path.startswith("/openapi/v3/"):
+            doc = api.openapi_group(path[len("/openapi/v3/"):])
+            if doc is None:
+                raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+            return self._send_json(200, doc)
+        if path.startswith("/openapi/"):
+            raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        parts = [p for p in path.split("/") if p]
+        if parts[0] == "api" and len(parts) >= 2:
+            group, version, rest = "", parts[1], parts[2:]
+        elif parts[0] == "apis" and len(parts) >= 2:
+            if len(parts) == 2:
+                versions = api._groups().get(parts[1])
+                if versions is None:
+                    raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+                return self._send_json(200, {"kind": "APIGroup", "apiVersion": "v1",
+                                             **api.api_group(parts[1], versions)})
+            group, version, rest = parts[1], parts[2], parts[3:]
+        else:
+            raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        if not rest:
+            listing = api.resource_list(group, version)
+            if listing is None:
+                raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+            return self._send_json(200, listing)
+        watch = False
+        if rest[0] == "watch":
+            watch, rest = True, rest[1:]
+        namespace = ""
+        if len(rest) >= 3 and rest[0] == "namespaces" and rest[2] not in ("status", "finalize"):
+            namespace, rest = rest[1], rest[2:]
+        resource = rest[0] if rest else ""
+        name = rest[1] if len(rest) > 1 else ""
+        sub = "/".join(rest[2:])
+        sub_api = api.subresource_apis.get((group, version))
+        if sub_api is not None:
+            if method != "PUT" or not sub:
+                raise errors.method_not_allowed()
+            body = self._decode(raw, self.headers.get("Content-Type", "application/json"))
+            code, out = sub_api.handle(method, namespace, resource, name, sub, body)
+            return self._send_json(code, out) if out is not None else self._send_empty(code)
+        rtype = api.store.find_type(group, resource)
+        if rtype is None or version not in rtype.served_versions or (bool(namespace) and not rtype.namespaced):
+            raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        if sub and (sub != "status" or not rtype.status_subresource) and not (
+                rtype.plural == "namespaces" and sub == "finalize"):
+            raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        if rtype.namespaced and not namespace and name:
+            raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        self.version = version
+        self.rtype = rtype
+        if watch or (method == "GET" and not name and self.query.get("watch") in ("true", "1", "True")):
+            if name:
+                self.query["fieldSelector"] = ",".join(
+                    filter(None, [self.query.get("fieldSelector", ""), f"metadata.name={name}"]))
+            return self._watch(rtype, namespace)
+        handler = {"GET": self._get, "POST": self._create, "PUT": self._update, "PATCH": self._patch,
+                   "DELETE": self._delete}[method]
+        handler(rtype, namespace, name, sub, raw)
+
+    # ---- verbs
+
+    def _out(self, obj: Obj) -> Obj:
+        """An object as served at the requested version."""
+        rtype = self.rtype
+        if rtype.group and self.version != rtype.version:
+            obj = {**obj, "apiVersion": rtype.api_version(self.version)}
+        return obj
+
+    def _get(self, rtype: ResourceType, namespace: str, name: str, sub: str, raw: bytes) -> None:
+        if name:
+            obj = self.api.store.get(rtype, namespace, name)
+            if self._wants_table():
+                return self._send_json(200, self._table(rtype, [obj], obj["metadata"]["resourceVersion"]))
+            return self._send_json(200, self._out(obj))
+        store = self.api.store
+        items, rv = store.list(rtype, namespace, label_matcher(self.query.get("labelSelector")),
+                               field_matcher(rtype, self.query.get("fieldSelector")))
+        meta: Obj = {"resourceVersion": str(rv)}
+        token = self.query.get("continue")
+        if token:
+            rv, last = decode_continue(token)
+            meta["resourceVersion"] = str(rv)
+            items = [o for o in items if (o["metadata"].get("namespace", ""), o["metadata"]["name"]) > last]
+        limit = int(self.query.get("limit") or 0)
+        if limit > 0 and len(items) > limit:
+            items = items[:limit]
+            tail = items[-1]["metadata"]
+            meta["continue"] = encode_continue(int(meta["resourceVersion"]), (tail.get("namespace", ""),
+                                                                               tail["name"]))
+        if self._wants_table():
+            return self._send_json(200, self._table(rtype, items, meta["resourceVersion"], meta.get("continue")))
+        self._send_json(200, {"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version(self.version),
+                              "metadata": meta, "items": [self._out(o) for o in items]})
+
+    def _body(self, raw: bytes) -> Obj:
+        body = self._decode(raw, self.headers.get("Content-Type", "application/json"))
+        if not isinstance(body, dict):
+            raise errors.bad_request("the body of the request must be an object")
+        return body
+
+    def _write_options(self) -> dict[str, Any]:
+        field_validation = self.query.get("fieldValidation", "")
+        if field_validation not in ("", "Strict", "Warn", "Ignore"):
+            raise errors.bad_request(f'fieldValidation "{field_validation}" is not one of Ignore, Warn, Strict')
+        return {"dry_run": self.query.get("dryRun") == "All", "field_validation": field_validation,
+                "warnings": self.warnings}
+
+    def _manager(self) -> str:
+        manager = self.query.get("fieldManager")
+        if manager:
+            return manager
+        agent = self.headers.get("User-Agent", "unknown")
+        return agent.split("/")[0] or "unknown"
+
+    def _check_kind(self, rtype: ResourceType, body: Obj) -> None:
+        kind = body.get("kind")
+        if kind and kind != rtype.kind:
+            raise errors.bad_request(f"the API version in the data ({body.get('apiVersion')}) does not match "
+                                     f"the expected API version ({rtype.api_version(self.version)})"
+                                     if body.get("apiVersion") != rtype.api_version(self.version) else
+                                     f"kind {kind} does not match {rtype.kind}")
+
+    def _create(self, rtype: ResourceType, namespace: str, name: str, sub: str, raw: bytes) -> None:
+        if name:
+            raise errors.method_not_allowed()
+        body = self._body(raw)
+        self._check_kind(rtype, body)
+        body["apiVersion"] = rtype.api_version()
+        obj = self.api.store.create(rtype, body, namespace=namespace, manager=self._manager(),
+                                    **self._write_options())
+        self._send_json(201, self._out(obj))
+
+    def _update(self, rtype: ResourceType, namespace: str, name: str, sub: str, raw: bytes) -> None:
+        if not name:
+            raise errors.method_not_allowed()
+        body = self._body(raw)
+        self._check_kind(rtype, body)
+        obj = self.api.store.update(rtype, body, namespace=namespace, name=name, subresource=sub,
+                                    manager=self._manager(), **self._write_options())
+        self._send_json(200, self._out(obj))
+
+    def _patch(self, rtype: ResourceType, namespace: str, name: str, sub: str, raw: bytes) -> None:
+        if not name:
+            raise errors.method_not_allowed()
+        content_type = self.headers.get("Content-Type", "").split(";")[0].strip()
+        if content_type not in (APPLY, "application/merge-patch+json", "application/strategic-merge-patch+json",
+                                "application/json-patch+json"):
+            raise errors.unsupported_media_type(content_type)
+        body = self._decode(raw, content_type)
+        if content_type == APPLY:
+            manager = self.query.get("fieldManager", "")
+        else:
+            manager = self._manager()
+        force = self.query.get("force") in ("true", "1", "True")
+        if force and content_type != APPLY:
+            raise errors.bad_request("force is only valid for apply patches")
+        obj, created = self.api.store.patch(rtype, namespace, name, content_type, body, subresource=sub,
+                                            manager=manager, force=force, **self._write_options())
+        self._send_json(201 if created else 200, self._out(obj))
+
+    def _delete(self, rtype: ResourceType, namespace: str, name: str, sub: str, raw: bytes) -> None:
+        opts = self._decode(raw, "application/json") if raw else {}
+        opts = opts if isinstance(opts, dict) else {}
+        propagation = self.query.get("propagationPolicy") or opts.get("propagationPolicy") or ""
+        if propagation not in ("", "Background", "Foreground", "Orphan"):
+            raise errors.unprocessable(f'propagationPolicy: Unsupported value: "{propagation}"')
+        grace = self.query.get("gracePeriodSeconds", opts.get("gracePeriodSeconds"))
+        grace_period = int(grace) if grace not in (None, "") else None
+        dry_run = self.query.get("dryRun") == "All" or "All" in (opts.get("dryRun") or [])
+        store = self.api.store
+        if not name:
+            items, _ = store.list(rtype, namespace, label_matcher(self.query.get("labelSelector")),
+                                  field_matcher(rtype, self.query.get("fieldSelector")))
+            deleted = []
+            for item in items:
+                try:
+                    obj, _gone = store.delete(rtype, namespace or item["metadata"].get("namespace", ""),
+                                              item["metadata"]["name"], propagation=propagation,
+                                              grace_period=grace_period, dry_run=dry_run)
+                    deleted.append(obj)
+                except errors.ApiError as exc:
+                    if exc.code != 404:
+                        raise
+            return self._send_json(200, {"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version(),
+                                         "metadata": {"resourceVersion": str(store.resource_version)},
+                                         "items": deleted})
+        obj, gone = store.delete(rtype, namespace, name, propagation=propagation, grace_period=grace_period,
+                                 preconditions=opts.get("preconditions"), dry_run=dry_run)
+        if not gone or rtype.delete_returns_object:
+            return self._send_json(200 if gone or not obj["metadata"].get("deletionTimestamp") else 200,
+                                   self._out(obj))
+        self._send_json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                              "details": {"name": name, "group": rtype.group, "kind": rtype.plural,
+                                          "uid": obj["metadata"]["uid"]}})
+
+    def _send_empty(self, code: int) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    # ---- watch
+
+    def _watch(self, rtype: ResourceType, namespace: str) -> None:
+        store = self.api.store
+        timeout = float(self.query.get("timeoutSeconds") or 1800)
+        bookmarks = self.query.get("allowWatchBookmarks") in ("true", "1", "True")
+        rv = self.query.get("resourceVersion") or None
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Cache-Control", "no-cache, private")
+        self.end_headers()
+        try:
+            watcher = store.watch(rtype, namespace, self.query.get("labelSelector"),
+                                  self.query.get("fieldSelector"), rv)
+        except errors.ApiError as exc:
+            self._chunk(json.dumps({"type": "ERROR", "object": exc.status()}).encode() + b"\n")
+            self._chunk(b"")
+            return
+        deadline = time.monotonic() + timeout
+        next_bookmark = time.monotonic() + self.api.bookmark_interval
+        try:
+            while not self.api._stopping.is_set():
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                wait = min(deadline, next_bookmark if bookmarks else deadline, now + 1.0) - now
+                event = watcher.next(max(wait, 0.01))
+                if event is not None:
+                    obj = event.obj
+                    line = event.line() if self.version == rtype.version else json.dumps(
+                        {"type": event.type, "object": self._out(obj)}).encode() + b"\n"
+                    self._chunk(line)
+                    continue
+                if bookmarks and time.monotonic() >= next_bookmark:
+                    mark = {"type": "BOOKMARK", "object": {
+                        "kind": rtype.kind, "apiVersion": rtype.api_version(self.version),
+                        "metadata": {"resourceVersion": str(watcher.progress_rv)}}}
+                    self._chunk(json.dumps(mark).encode() + b"\n")
+                    next_bookmark = time.monotonic() + self.api.bookmark_interval
+            self._chunk(b"")
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self.close_connection = True
+        finally:
+            watcher.close()
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    # ---- tables (kubectl get)
+
+    def _wants_table(self) -> bool:
+        accept = self.headers.get("Accept", "")
+        return "as=Table" in accept
+
+    def _table(self, rtype: ResourceType, items: list[Obj], rv: str, cont: str | None = None) -> Obj:
+        columns: list[Obj] = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
+                               "description": "Name must be unique within a namespace."}]
+        printer = list(rtype.printer_columns) or [
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+        for col in printer:
+            columns.append({"name": col["name"], "type": col.get("type", "string"), "format": col.get("format", ""),
+                            "description": col.get("description", ""), "priority": col.get("priority", 0)})
+        rows = []
+        for obj in items:
+            cells: list[Any] = [obj["metadata"]["name"]]
+            for col in printer:
+                values = evaluate(col["jsonPath"], obj)
+                value = values[0] if values else None
+                if col.get("type") == "date" and isinstance(value, str):
+                    value = _age(value)
+                cells.append(value if value is not None else "")
+            rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata",
+                                                    "apiVersion": "meta.k8s.io/v1", "metadata": obj["metadata"]}})
+        meta: Obj = {"resourceVersion": rv}
+        if cont:
+            meta["continue"] = cont
+        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": meta, "columnDefinitions": columns,
+                "rows": rows}
+
+
+def _age(timestamp: str) -> str:
+    try:
+        seconds = int(datetime.datetime.now(datetime.UTC).timestamp() - parse_time(timestamp))
+    except ValueError:
+        return timestamp
+    if seconds < 120:
+        return f"{max(seconds, 0)}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    if seconds < 172800:
+        return f"{seconds // 3600}h"
+    return f"{seconds // 86400}d"
+

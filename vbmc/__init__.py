@@ -1,0 +1,1 @@
+"""KubeVBMC agent: a virtual BMC (IPMI and Redfish) for one KubeVirt virtual machine."""

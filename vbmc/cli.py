@@ -1,0 +1,42 @@
+"""The `kubevbmc` command: agent, controller, sim and demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kubevbmc", description="A virtual BMC for KubeVirt virtual machines.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from kubesim import cli as sim_cli
+
+    sim = sub.add_parser("sim", help="run kubesim, a simulated Kubernetes cluster with KubeVirt")
+    sim_cli.add_arguments(sim)
+    sim.set_defaults(run=sim_cli.run)
+
+    demo = sub.add_parser("demo", help="a simulated cluster with a few VMs and their BMCs")
+    demo.add_argument("--vms", type=int, default=3)
+    demo.set_defaults(run=_demo)
+
+    for name, text in (("agent", "serve IPMI and Redfish for one VM"),
+                       ("controller", "reconcile VirtualMachineBMCs into agents")):
+        p = sub.add_parser(name, help=text)
+        p.set_defaults(run=_not_yet(name))
+
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+def _not_yet(name: str):  # type: ignore[no-untyped-def]
+    def run(args: argparse.Namespace) -> int:
+        print(f"kubevbmc {name}: not implemented yet", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def _demo(args: argparse.Namespace) -> int:
+    print("kubevbmc demo: coming soon (the controller lands next); try `kubevbmc sim` meanwhile")
+    return 0
