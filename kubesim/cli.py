@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--import-delay", type=float, default=1.0, metavar="SECONDS")
     parser.add_argument("--history", type=int, default=20000, metavar="EVENTS",
                         help="watch events kept for resumption; older resourceVersions get 410 Gone")
+    parser.add_argument("--bookmark-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="how often an idle watch that allows bookmarks gets one")
     parser.add_argument("--log-dir", default="", help="where agent pods write their logs")
     parser.add_argument("-v", "--verbose", action="store_true")
 
@@ -34,7 +36,7 @@ def config_from(args: Any) -> SimConfig:
     return SimConfig(host=host or "127.0.0.1", port=int(port), kubeconfig=args.kubeconfig,
                      kubelet_mode=args.kubelet, vm_start_delay=args.vm_start_delay,
                      vm_stop_delay=args.vm_stop_delay, import_delay=args.import_delay,
-                     history_size=args.history, log_dir=args.log_dir,
+                     history_size=args.history, log_dir=args.log_dir, bookmark_interval=args.bookmark_interval,
                      local_entrypoint=[sys.executable, "-m", "vbmc"])
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
-import base64
 import secrets
 import ssl
 import tempfile

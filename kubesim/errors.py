@@ -108,7 +108,10 @@ def gone(message: str) -> ApiError:
 
 
 def unsupported_media_type(content_type: str) -> ApiError:
-    return ApiError(415, "UnsupportedMediaType", f'the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (got "{content_type}")')
+    return ApiError(415, "UnsupportedMediaType",
+                    f'the body of the request was in an unknown format - accepted media types include: '
+                    f'application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml, '
+                    f'application/strategic-merge-patch+json (got "{content_type}")')
 
 
 def internal(message: str) -> ApiError:

@@ -39,7 +39,8 @@ def field_set(rtype: ResourceType, obj: Obj, subresource: str = "") -> set[Path]
             if subresource or not isinstance(value, dict):
                 continue
             meta = {k: v for k, v in value.items() if k not in _SERVER_METADATA}
-            _walk(rtype, ("metadata",), ("f:metadata",), meta, out)
+            if meta:
+                _walk(rtype, ("metadata",), ("f:metadata",), meta, out)
             continue
         if rtype.status_subresource and (key == "status") != (subresource == "status"):
             continue
@@ -61,11 +62,12 @@ def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, o
             for item in value:
                 out.add((*path, "v:" + json.dumps(item, separators=(",", ":"))))
             return
+        keys = tuple(kind)
         for item in value:
             if not isinstance(item, dict):
                 out.add(path)
                 return
-            item_path = (*path, _item_key(item, kind))
+            item_path = (*path, _item_key(item, keys))
             out.add((*item_path, "."))
             for key, child in item.items():
                 _walk(rtype, names, (*item_path, "f:" + key), child, out)
@@ -212,7 +214,7 @@ def apply(rtype: ResourceType, live: Obj, config: Obj, manager: str, subresource
     entries = read_entries(live)
     ident = (manager, "Apply", subresource)
     wanted = field_set(rtype, config, subresource)
-    conflicts: list[tuple[str, Path]] = []
+    conflicts: list[tuple[str, str, Path]] = []
     for e in entries:
         if e.ident == ident:
             continue
@@ -222,11 +224,16 @@ def apply(rtype: ResourceType, live: Obj, config: Obj, manager: str, subresource
             if force:
                 e.paths.discard(p)
             else:
-                conflicts.append((e.manager, p))
+                conflicts.append((e.manager, e.api_version, p))
     if conflicts:
-        causes = [{"reason": "FieldManagerConflict", "message": f'conflict with "{m}"', "field": _dotted(p)}
-                  for m, p in sorted(conflicts)]
-        detail = "\n".join(f'- conflict with "{m}": {_dotted(p)}' for m, p in sorted(conflicts))
+        conflicts.sort()
+        causes = [{"reason": "FieldManagerConflict", "message": f'conflict with "{m}" using {v}',
+                   "field": _dotted(p)} for m, v, p in conflicts]
+        if len(conflicts) == 1:
+            m, v, p = conflicts[0]
+            detail = f'conflict with "{m}" using {v}: {_dotted(p)}'
+        else:
+            detail = "\n".join(f'conflict with "{m}" using {v}: {_dotted(p)}' for m, v, p in conflicts)
         raise errors.ApiError(
             409, "Conflict",
             f"Apply failed with {len(conflicts)} conflict{'s' if len(conflicts) > 1 else ''}: {detail}",

@@ -7,6 +7,7 @@ owner reference from dependents first. A namespace being deleted empties itself,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -129,10 +130,8 @@ class GarbageCollector(ControlLoop):
                 obj["metadata"].pop("ownerReferences", None)
             return True
 
-        try:
+        with contextlib.suppress(KeyError):
             self.store.mutate(self.store.type(dep[0]), dep[1], dep[2], strip, manager="garbage-collector")
-        except KeyError:
-            pass
 
     def _remove_finalizer(self, rtype: Any, namespace: str, name: str, finalizer: str) -> None:
         def remove(obj: Obj) -> bool:

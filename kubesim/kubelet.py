@@ -1,9 +1,798 @@
-"""Placeholder: filled in by its own change."""
+"""The kubelet of the simulator's one node, `kubesim-node`: it schedules, runs and reports every pod.
+
+Mode "process": containers whose image matches `config.local_image` (the project's own image) run as local
+processes, each in its own session and process group, on the pod's IP from `config.pod_cidr` (all of
+127.0.0.0/8 is loopback, so a process binds its Pod IP as it would inside a network namespace). Any other image
+cannot be pulled: the container waits with ErrImagePull / ImagePullBackOff. Mode "fake" (like kwok): every pod
+is Running and Ready at once with an IP and nothing runs.
+
+What a local process cannot have, and how it is stood in for:
+- no mount namespace: secret, configMap, emptyDir and hostPath volumes are directories on the host, and the
+  volumeMount's mountPath prefix is rewritten to that directory in command, args, env values, workingDir and
+  exec probes. A program that builds a mounted path some other way will not find the file (known limitation).
+- no in-cluster service account mount at a fixed path: the process gets KUBECONFIG (a per-pod kubeconfig with a
+  token for `system:serviceaccount:<ns>:<sa>`) and KUBERNETES_SERVICE_HOST/PORT pointing at the API server; the
+  token, ca.crt and namespace are also written under the rewritten /var/run/secrets/kubernetes.io/serviceaccount.
+- the environment starts from a few host variables (PATH, PYTHONPATH, HOME, LANG, VIRTUAL_ENV, TMPDIR) so the
+  image's Python can run, then what Kubernetes would give the container.
+- crash-loop back-off is 1 s doubling to 10 s (Kubernetes: 10 s doubling to 5 min): a simulator should recover
+  in test time. Init containers, preStop hooks and volume content refresh are not simulated.
+"""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import http.client
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
+
+from . import errors
+from .loop import ControlLoop
+from .network import network_of
+from .objects import now, set_condition
+from .store import Event
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+
+NODE_NAME = "kubesim-node"  # cluster.NODE_NAME (not imported: cluster imports this module)
+HOST_IP = "127.0.0.1"
+BACKOFF_START, BACKOFF_CAP = 1.0, 10.0
+RETRY_SECONDS = 1.0  # a missing Secret or ConfigMap is looked for again this often
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+_HOST_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "VIRTUAL_ENV", "TMPDIR")
+
+
+class ConfigError(Exception):
+    """A container cannot be configured yet (CreateContainerConfigError), with Kubernetes' message."""
+
+
+# ---- pure decisions
+
+
+def expand(text: str, lookup: Callable[[str], str | None]) -> str:
+    """Kubernetes' $(VAR) expansion (third_party/forked/golang/expansion): `$$` is a literal `$`, an unknown
+    or unterminated reference is kept as written, a `$` before anything else is kept."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch != "$" or i + 1 >= n:
+            out.append(ch)
+            i += 1
+            continue
+        nxt = text[i + 1]
+        if nxt == "$":
+            out.append("$")
+            i += 2
+        elif nxt == "(":
+            end = text.find(")", i + 2)
+            if end < 0:
+                out.append("$(")
+                i += 2
+                continue
+            name = text[i + 2:end]
+            value = lookup(name)
+            out.append(value if value is not None else f"$({name})")
+            i = end + 1
+        else:
+            out.append("$" + nxt)
+            i += 2
+    return "".join(out)
+
+
+_FIELD_LABEL = re.compile(r"^metadata\.(labels|annotations)\['(.*)'\]$")
+
+
+def pod_field(pod: Obj, path: str, pod_ip: str, host_ip: str) -> str:
+    """A downward API fieldRef value."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    simple = {
+        "metadata.name": meta.get("name", ""), "metadata.namespace": meta.get("namespace", ""),
+        "metadata.uid": meta.get("uid", ""), "spec.nodeName": spec.get("nodeName") or NODE_NAME,
+        "spec.serviceAccountName": spec.get("serviceAccountName") or "default",
+        "status.podIP": pod_ip, "status.podIPs": pod_ip, "status.hostIP": host_ip, "status.hostIPs": host_ip,
+    }
+    if path in simple:
+        return str(simple[path])
+    match = _FIELD_LABEL.match(path)
+    if match:
+        return str((meta.get(match.group(1)) or {}).get(match.group(2), ""))
+    if path in ("metadata.labels", "metadata.annotations"):
+        items = meta.get(path.split(".")[1]) or {}
+        return "\n".join(f'{k}="{v}"' for k, v in sorted(items.items()))
+    raise ConfigError(f"unsupported fieldPath: {path}")
+
+
+Lookup = Callable[[str, str], Obj | None]  # (kind "secret" | "configmap", name) -> object or None
+
+
+def _source_data(kind: str, obj: Obj) -> dict[str, str]:
+    if kind == "secret":
+        return {k: base64.b64decode(v).decode("utf-8", "replace") for k, v in (obj.get("data") or {}).items()}
+    data = dict(obj.get("data") or {})
+    for k, v in (obj.get("binaryData") or {}).items():
+        data[k] = base64.b64decode(v).decode("utf-8", "replace")
+    return data
+
+
+def _key_ref(kind: str, ref: Obj, namespace: str, lookup: Lookup) -> str | None:
+    label = "Secret" if kind == "secret" else "ConfigMap"
+    obj = lookup(kind, ref.get("name", ""))
+    if obj is None:
+        if ref.get("optional"):
+            return None
+        raise ConfigError(f'{kind} "{ref.get("name", "")}" not found')
+    data = _source_data(kind, obj)
+    if ref.get("key") not in data:
+        if ref.get("optional"):
+            return None
+        raise ConfigError(f"couldn't find key {ref.get('key')} in {label} {namespace}/{ref.get('name', '')}")
+    return data[ref["key"]]
+
+
+def resolve_env(container: Obj, pod: Obj, lookup: Lookup, service_env: dict[str, str], pod_ip: str,
+                host_ip: str = HOST_IP) -> dict[str, str]:
+    """The container's environment as the kubelet builds it (makeEnvironmentVariables): envFrom, then env in
+    order, each `value` expanded against what is defined so far; service variables fill in the rest."""
+    namespace = (pod.get("metadata") or {}).get("namespace", "")
+    env: dict[str, str] = {}
+    for source in container.get("envFrom") or []:
+        prefix = source.get("prefix", "")
+        for kind, ref_key in (("configmap", "configMapRef"), ("secret", "secretRef")):
+            ref = source.get(ref_key)
+            if not isinstance(ref, dict):
+                continue
+            obj = lookup(kind, ref.get("name", ""))
+            if obj is None:
+                if ref.get("optional"):
+                    continue
+                raise ConfigError(f'{kind} "{ref.get("name", "")}" not found')
+            for k, v in _source_data(kind, obj).items():
+                env[prefix + k] = v
+    for var in container.get("env") or []:
+        name = var.get("name", "")
+        source = var.get("valueFrom")
+        if not isinstance(source, dict):
+            env[name] = expand(str(var.get("value", "")),
+                               lambda n: env[n] if n in env else service_env.get(n))
+            continue
+        value: str | None
+        if "secretKeyRef" in source:
+            value = _key_ref("secret", source["secretKeyRef"], namespace, lookup)
+        elif "configMapKeyRef" in source:
+            value = _key_ref("configmap", source["configMapKeyRef"], namespace, lookup)
+        elif "fieldRef" in source:
+            value = pod_field(pod, source["fieldRef"].get("fieldPath", ""), pod_ip, host_ip)
+        elif "resourceFieldRef" in source:
+            value = _resource_field(container, source["resourceFieldRef"])
+        else:
+            raise ConfigError(f"env {name}: unsupported valueFrom {sorted(source)}")
+        if value is not None:
+            env[name] = value
+    return {**service_env, **env}
+
+
+def _resource_field(container: Obj, ref: Obj) -> str:
+    section, _, resource = str(ref.get("resource", "")).partition(".")
+    value = ((container.get("resources") or {}).get(section) or {}).get(resource)
+    return str(value) if value is not None else "0"
+
+
+def rewrite_paths(text: str, mounts: list[tuple[str, str]]) -> str:
+    """Mount paths replaced by the host directories standing in for them (longest first, whole segments)."""
+    for mount, local in sorted(mounts, key=lambda m: -len(m[0])):
+        mount = mount.rstrip("/") or "/"
+        if mount == "/":
+            continue
+        text = re.sub(r"(?<![\w./-])" + re.escape(mount) + r"(?=/|$|[^\w.-])", local.replace("\\", "\\\\"), text)
+    return text
+
+
+def container_argv(container: Obj, env: dict[str, str], entrypoint: list[str]) -> list[str]:
+    """command + args with $(VAR) expanded; no command means the image's entrypoint with the args."""
+    def lookup(name: str) -> str | None:
+        return env.get(name)
+
+    command = [expand(str(c), lookup) for c in container.get("command") or []]
+    args = [expand(str(a), lookup) for a in container.get("args") or []]
+    return command + args if command else list(entrypoint) + args
+
+
+def pod_phase(states: list[str], restart_policy: str) -> str:
+    """Phase from container states: "waiting" (never ran), "running", "restarting", "succeeded", "failed"."""
+    if not states or "waiting" in states:
+        return "Pending"
+    if "running" in states or "restarting" in states:
+        return "Running"
+    if "failed" in states:
+        return "Failed" if restart_policy != "Always" else "Running"
+    return "Succeeded" if restart_policy != "Always" else "Running"
+
+
+def next_backoff(current: float) -> float:
+    return BACKOFF_START if current <= 0 else min(BACKOFF_CAP, current * 2)
+
+
+def probe_port(container: Obj, port: Any) -> int:
+    if isinstance(port, int) or (isinstance(port, str) and port.isdigit()):
+        return int(port)
+    for p in container.get("ports") or []:
+        if p.get("name") == port:
+            return int(p["containerPort"])
+    raise ValueError(f"no container port named {port!r}")
+
+
+def run_probe(probe: Obj, container: Obj, pod_ip: str, env: dict[str, str],
+              mounts: list[tuple[str, str]]) -> tuple[bool, str]:
+    """One probe attempt: (success, why it failed)."""
+    timeout = float(probe.get("timeoutSeconds", 1))
+    try:
+        if "httpGet" in probe:
+            get = probe["httpGet"]
+            host, port = get.get("host") or pod_ip, probe_port(container, get.get("port"))
+            conn: http.client.HTTPConnection
+            if str(get.get("scheme", "HTTP")).upper() == "HTTPS":
+                context = ssl.create_default_context()
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE  # the kubelet does not verify probe certificates either
+                conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
+            else:
+                conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            try:
+                headers = {h["name"]: h["value"] for h in get.get("httpHeaders") or []}
+                headers.setdefault("User-Agent", "kube-probe/1.36")
+                conn.request("GET", get.get("path", "/"), headers=headers)
+                code = conn.getresponse().status
+            finally:
+                conn.close()
+            return 200 <= code < 400, f"HTTP probe failed with statuscode: {code}"
+        if "tcpSocket" in probe:
+            tcp = probe["tcpSocket"]
+            with socket.create_connection((tcp.get("host") or pod_ip, probe_port(container, tcp.get("port"))),
+                                          timeout=timeout):
+                return True, ""
+        if "exec" in probe:
+            argv = [rewrite_paths(expand(str(a), env.get), mounts) for a in probe["exec"].get("command") or []]
+            done = subprocess.run(argv, env=env, timeout=timeout, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+            return done.returncode == 0, f"command exited with {done.returncode}"
+    except (OSError, ValueError, subprocess.TimeoutExpired, http.client.HTTPException) as exc:
+        return False, str(exc)
+    return False, "unsupported probe handler"
+
+
+# ---- runtime state
+
+
+@dataclass
+class Probe:
+    kind: str  # readiness, liveness, startup
+    spec: Obj
+    due: float
+    successes: int = 0
+    failures: int = 0
+
+
+@dataclass
+class Container:
+    """One container of a running pod: its process and what its status says about it."""
+
+    name: str
+    spec: Obj
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: str = ""
+    started_mono: float = 0.0
+    restart_count: int = 0
+    last_state: Obj = field(default_factory=dict)
+    terminated: Obj | None = None  # the current state when the process has exited
+    waiting: tuple[str, str] | None = ("ContainerCreating", "")
+    backoff: float = 0.0
+    restart_at: float = 0.0
+    ready: bool = False
+    started: bool = False
+    pulls: int = 0
+    final: bool = False  # exited and will not be restarted
+    stopping: bool = False
+    runner: threading.Thread | None = None
+    fake: bool = False  # fake mode: running without a process
+
+    def running(self) -> bool:
+        return self.fake or (self.proc is not None and self.terminated is None)
+
+
+@dataclass
+class PodRuntime:
+    uid: str
+    ip: str
+    dir: str
+    start_time: str
+    containers: dict[str, Container] = field(default_factory=dict)
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
+    mounts: list[tuple[str, str]] = field(default_factory=list)
+    kill_at: float | None = None  # when terminating: SIGKILL after this
+    prepared: bool = False
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+# ---- the kubelet
+
+
+class Kubelet(ControlLoop):
+    name = "kubelet"
+    kinds = ("/pods",)
+
+    def __init__(self, cluster: Any) -> None:
+        super().__init__(cluster.store, workers=4)
+        self.cluster = cluster
+        self.config = cluster.config
+        self.net = network_of(cluster)
+        self.fake = self.config.kubelet_mode == "fake"
+        self.local_image = re.compile(self.config.local_image)
+        self.work_dir = tempfile.mkdtemp(prefix="kubesim-kubelet-")
+        self.log_dir = self.config.log_dir or os.path.join(self.work_dir, "logs")
+        self.pods: dict[tuple[str, str], PodRuntime] = {}
+        self._lock = threading.Lock()
+
+    def keys_for(self, event: Event) -> Iterable[Hashable]:
+        meta = event.obj["metadata"]
+        return [(meta.get("namespace", ""), meta["name"])]
+
+    # ---- sync
+
+    def sync(self, key: Hashable) -> float | None:
+        assert isinstance(key, tuple)
+        ns, name = key
+        store = self.store
+        pod_type = store.type("/pods")
+        pod = store.find(pod_type, ns, name)
+        with self._lock:
+            rt = self.pods.get(key)
+        if rt is not None and (pod is None or pod["metadata"]["uid"] != rt.uid):
+            self._discard(key, rt)
+            rt = None
+        if pod is None:
+            return None
+        if pod["metadata"].get("deletionTimestamp"):
+            return self._terminate(key, pod, rt)
+        if (pod.get("spec") or {}).get("nodeName") not in (None, "", NODE_NAME):
+            return None  # bound to a node that does not exist here
+        if not pod["spec"].get("nodeName"):
+            pod = store.mutate(pod_type, ns, name, lambda o: o["spec"].update(nodeName=NODE_NAME),
+                               manager="default-scheduler")
+            if pod is None:
+                return None
+        if rt is None:
+            rt = PodRuntime(pod["metadata"]["uid"], self.net.pod_ips.allocate(pod["metadata"]["uid"]),
+                            os.path.join(self.work_dir, f"{ns}_{name}_{pod['metadata']['uid'][:8]}"), now())
+            with self._lock:
+                self.pods[key] = rt
+        if self.fake:
+            for c in pod["spec"].get("containers") or []:
+                rt.containers.setdefault(c["name"], Container(c["name"], c, started_at=now(), waiting=None,
+                                                              ready=True, started=True, fake=True))
+            self._write_status(pod, rt)
+            return None
+        again = self._run_containers(pod, rt)
+        self._write_status(pod, rt)
+        return again
+
+    def _discard(self, key: tuple[str, str], rt: PodRuntime) -> None:
+        """The pod is gone (or replaced under the same name): kill what is left and free its IP."""
+        for c in rt.containers.values():
+            c.stopping = True
+            if c.proc is not None and c.proc.poll() is None:
+                _signal_group(c.proc, signal.SIGKILL)
+        self.net.pod_ips.release(rt.ip, rt.uid)
+        with self._lock:
+            if self.pods.get(key) is rt:
+                del self.pods[key]
+        shutil.rmtree(rt.dir, ignore_errors=True)
+
+    def _terminate(self, key: tuple[str, str], pod: Obj, rt: PodRuntime | None) -> float | None:
+        """SIGTERM to every container's process group, SIGKILL after the grace period, then the pod goes."""
+        alive = [c for c in (rt.containers.values() if rt else ()) if c.proc is not None and c.proc.poll() is None]
+        if rt is not None and alive:
+            at = time.monotonic()
+            if rt.kill_at is None:
+                grace = pod["metadata"].get("deletionGracePeriodSeconds")
+                if grace is None:
+                    grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+                rt.kill_at = at + float(grace)
+                for c in alive:
+                    c.stopping = True
+                    assert c.proc is not None
+                    _signal_group(c.proc, signal.SIGTERM)
+            if at < rt.kill_at:
+                return min(rt.kill_at - at, 1.0)  # the runner threads also wake us when a process exits
+            for c in alive:
+                assert c.proc is not None
+                _signal_group(c.proc, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    c.proc.wait(timeout=2)
+        try:
+            self.store.delete(self.store.type("/pods"), key[0], key[1], grace_period=0,
+                              preconditions={"uid": pod["metadata"]["uid"]})
+        except errors.ApiError as exc:
+            if exc.code not in (404, 409):
+                raise
+        if rt is not None and self.store.find(self.store.type("/pods"), key[0], key[1]) is None:
+            self._discard(key, rt)
+        return None
+
+    # ---- containers (process mode)
+
+    def _run_containers(self, pod: Obj, rt: PodRuntime) -> float | None:
+        at = time.monotonic()
+        wake: list[float] = []
+        policy = pod["spec"].get("restartPolicy", "Always")
+        for spec in pod["spec"].get("containers") or []:
+            c = rt.containers.setdefault(spec["name"], Container(spec["name"], spec))
+            if c.final or c.running():
+                continue
+            if not self.local_image.search(str(spec.get("image", ""))):
+                c.pulls += 1
+                if c.pulls == 1:
+                    c.waiting = ("ErrImagePull", f'kubesim runs only images matching "{self.config.local_image}" '
+                                 f'as local processes; image "{spec.get("image")}" cannot be pulled')
+                    wake.append(RETRY_SECONDS)
+                else:
+                    c.waiting = ("ImagePullBackOff", f'Back-off pulling image "{spec.get("image")}": kubesim runs '
+                                 f'only images matching "{self.config.local_image}"')
+                continue
+            if c.terminated is not None:
+                code = int(c.terminated.get("exitCode", 0))
+                if policy == "Never" or (policy == "OnFailure" and code == 0):
+                    c.final = True
+                    continue
+                if at < c.restart_at:
+                    c.waiting = ("CrashLoopBackOff", f"back-off {c.backoff:g}s restarting failed container="
+                                 f"{c.name} pod={pod['metadata']['name']}_{pod['metadata'].get('namespace', '')}"
+                                 f"({pod['metadata']['uid']})")
+                    wake.append(c.restart_at - at)
+                    continue
+                c.last_state = {"terminated": c.terminated}
+                c.terminated = None
+                c.restart_count += 1
+            try:
+                self._prepare(pod, rt)
+                env = self._environment(pod, rt, spec)
+            except ConfigError as exc:
+                c.waiting = ("CreateContainerConfigError", str(exc))
+                wake.append(RETRY_SECONDS)
+                continue
+            except VolumeError as exc:
+                c.waiting = ("ContainerCreating", str(exc))
+                wake.append(RETRY_SECONDS)
+                continue
+            self._start(pod, rt, c, env)
+            if c.terminated is not None:
+                wake.append(0.05)
+        return min(wake) if wake else None
+
+    def _lookup(self, namespace: str) -> Lookup:
+        def lookup(kind: str, name: str) -> Obj | None:
+            return self.store.find(self.store.type("/secrets" if kind == "secret" else "/configmaps"),
+                                   namespace, name)
+        return lookup
+
+    def _environment(self, pod: Obj, rt: PodRuntime, spec: Obj) -> dict[str, str]:
+        host, _, port = str(self.cluster.address).rpartition(":")
+        service_env = {"KUBERNETES_SERVICE_HOST": host or "127.0.0.1", "KUBERNETES_SERVICE_PORT": port,
+                       "KUBERNETES_SERVICE_PORT_HTTPS": port}
+        env = resolve_env(spec, pod, self._lookup(pod["metadata"].get("namespace", "")), service_env, rt.ip)
+        env = {k: rewrite_paths(v, rt.mounts) for k, v in env.items()}
+        base = {k: os.environ[k] for k in _HOST_ENV if k in os.environ}
+        base.update(HOSTNAME=pod["metadata"]["name"], KUBECONFIG=os.path.join(rt.dir, "kubeconfig"))
+        full = {**base, **env}
+        rt.env[spec["name"]] = full
+        return full
+
+    def _prepare(self, pod: Obj, rt: PodRuntime) -> None:
+        """The pod's directory: kubeconfig, service account files and volumes (once, when all are there)."""
+        if rt.prepared:
+            return
+        ns = pod["metadata"].get("namespace", "")
+        volumes = _volume_files(pod, self._lookup(ns))  # raises VolumeError before anything is written
+        os.makedirs(rt.dir, exist_ok=True)
+        sa = pod["spec"].get("serviceAccountName") or "default"
+        token = self.cluster.new_token(f"system:serviceaccount:{ns}:{sa}")
+        self.cluster.write_kubeconfig(os.path.join(rt.dir, "kubeconfig"), token,
+                                      f"system:serviceaccount:{ns}:{sa}", ns or "default")
+        sa_dir = os.path.join(rt.dir, "serviceaccount")
+        os.makedirs(sa_dir, exist_ok=True)
+        for filename, content in (("token", token), ("namespace", ns),
+                                  ("ca.crt", self.cluster.certs.ca_pem.decode())):
+            with open(os.path.join(sa_dir, filename), "w", encoding="utf-8") as fh:
+                fh.write(content)
+        local: dict[str, str] = {}
+        for vol_name, files in volumes.items():
+            if isinstance(files, str):  # a hostPath: the host directory itself
+                local[vol_name] = files
+                continue
+            vdir = os.path.join(rt.dir, "volumes", vol_name)
+            os.makedirs(vdir, exist_ok=True)
+            for rel, (data, mode) in files.items():
+                path = os.path.join(vdir, rel)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as fb:
+                    fb.write(data)
+                os.chmod(path, mode)
+            local[vol_name] = vdir
+        mounts: list[tuple[str, str]] = [(SERVICE_ACCOUNT_DIR, sa_dir)]
+        for c in pod["spec"].get("containers") or []:
+            for m in c.get("volumeMounts") or []:
+                target = local.get(m.get("name", ""))
+                if target and m.get("mountPath"):
+                    sub = m.get("subPath")
+                    mounts.append((m["mountPath"], os.path.join(target, sub) if sub else target))
+        rt.mounts = mounts
+        rt.prepared = True
+
+    def _start(self, pod: Obj, rt: PodRuntime, c: Container, env: dict[str, str]) -> None:
+        argv = [rewrite_paths(a, rt.mounts) for a in container_argv(c.spec, env, self.config.local_entrypoint)]
+        workdir = rewrite_paths(c.spec["workingDir"], rt.mounts) if c.spec.get("workingDir") else None
+        os.makedirs(self.log_dir, exist_ok=True)
+        log_path = os.path.join(self.log_dir, f"{pod['metadata'].get('namespace', '')}_{pod['metadata']['name']}_"
+                                              f"{c.name}.log")
+        c.started_at, c.started_mono = now(), time.monotonic()
+        c.ready = c.started = False
+        c.waiting = None
+        try:
+            if not argv:
+                raise FileNotFoundError("no command given and no local entrypoint configured for the image")
+            with open(log_path, "ab") as out:
+                c.proc = subprocess.Popen(argv, env=env, cwd=workdir if workdir and os.path.isdir(workdir) else None,
+                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True, close_fds=True)
+        except OSError as exc:
+            c.proc = None
+            c.terminated = {"exitCode": 128, "reason": "StartError", "message": f"failed to start container "
+                            f"process: exec: {argv[:1]}: {exc.strerror or exc}", "startedAt": c.started_at,
+                            "finishedAt": now(), "containerID": ""}
+            self._schedule_restart(c)
+            return
+        c.terminated = None
+        log.info("kubelet: started %s/%s container %s (pid %d): %s", pod["metadata"].get("namespace", ""),
+                 pod["metadata"]["name"], c.name, c.proc.pid, " ".join(argv))
+        key = (pod["metadata"].get("namespace", ""), pod["metadata"]["name"])
+        c.runner = threading.Thread(target=self._watch_container, args=(key, rt, c, c.proc), daemon=True,
+                                    name=f"container-{key[1]}-{c.name}")
+        c.runner.start()
+
+    def _schedule_restart(self, c: Container) -> None:
+        # A container that ran long enough starts its back-off afresh, as the kubelet forgets old crashes.
+        if c.started_mono and time.monotonic() - c.started_mono > 2 * BACKOFF_CAP:
+            c.backoff = 0.0
+        c.restart_at = time.monotonic() + c.backoff
+        c.backoff = next_backoff(c.backoff)
+
+    # ---- one thread per running container: waits for its exit and runs its probes
+
+    def _watch_container(self, key: tuple[str, str], rt: PodRuntime, c: Container,
+                         proc: subprocess.Popen[bytes]) -> None:
+        start = time.monotonic()
+        probes = [Probe(kind, c.spec[f"{kind}Probe"], start + float(c.spec[f"{kind}Probe"].get(
+            "initialDelaySeconds", 0))) for kind in ("startup", "readiness", "liveness")
+            if isinstance(c.spec.get(f"{kind}Probe"), dict)]
+        has_startup = any(p.kind == "startup" for p in probes)
+        c.started = not has_startup
+        if not any(p.kind == "readiness" for p in probes):
+            c.ready = c.started
+        self.enqueue(key)
+        while True:
+            active = [p for p in probes if not c.stopping and (p.kind == "startup") != c.started]
+            due = min((p.due for p in active), default=None)
+            try:
+                proc.wait(timeout=None if due is None else max(0.0, due - time.monotonic()))
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            at = time.monotonic()
+            for p in active:
+                if p.due <= at and not c.stopping:
+                    self._probe_once(key, rt, c, proc, p, has_startup)
+        code = proc.returncode
+        c.ready = False
+        c.terminated = {"exitCode": code if code >= 0 else 128 - code, "reason": "Completed" if code == 0 else
+                        "Error", "startedAt": c.started_at, "finishedAt": now(), "containerID": f"process://{proc.pid}"}
+        if code < 0:
+            c.terminated["signal"] = -code
+        if not c.stopping:
+            self._schedule_restart(c)
+            log.info("kubelet: %s/%s container %s exited with %s", key[0], key[1], c.name, code)
+        self.enqueue(key)
+
+    def _probe_once(self, key: tuple[str, str], rt: PodRuntime, c: Container, proc: subprocess.Popen[bytes],
+                    p: Probe, has_startup: bool) -> None:
+        ok, why = run_probe(p.spec, c.spec, rt.ip, rt.env.get(c.name, {}), rt.mounts)
+        p.due = time.monotonic() + float(p.spec.get("periodSeconds", 10))
+        if ok:
+            p.successes, p.failures = p.successes + 1, 0
+        else:
+            p.failures, p.successes = p.failures + 1, 0
+        if p.kind == "readiness":
+            if ok and p.successes >= int(p.spec.get("successThreshold", 1)) and not c.ready:
+                c.ready = True
+                self.enqueue(key)
+            elif not ok and p.failures >= int(p.spec.get("failureThreshold", 3)) and c.ready:
+                c.ready = False
+                self.enqueue(key)
+            return
+        if p.kind == "startup" and ok:
+            c.started = True
+            if "readinessProbe" not in c.spec:
+                c.ready = True
+            self.enqueue(key)
+            return
+        if not ok and p.failures >= int(p.spec.get("failureThreshold", 3)):
+            log.info("kubelet: %s/%s container %s failed its %s probe (%s); killing it", key[0], key[1], c.name,
+                     p.kind, why)
+            p.failures = 0
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=float(p.spec.get("terminationGracePeriodSeconds", 2)))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+
+    # ---- status
+
+    def _write_status(self, pod: Obj, rt: PodRuntime) -> None:
+        status = self._status(pod, rt)
+        if status == pod.get("status"):
+            return
+        meta = pod["metadata"]
+
+        def change(obj: Obj) -> bool:
+            if obj["metadata"]["uid"] != rt.uid or obj["metadata"].get("deletionTimestamp"):
+                return False
+            obj["status"] = self._status(obj, rt)
+            return True
+
+        self.store.mutate(self.store.type("/pods"), meta.get("namespace", ""), meta["name"], change,
+                          subresource="status", manager="kubelet")
+
+    def _status(self, pod: Obj, rt: PodRuntime) -> Obj:
+        old = pod.get("status") or {}
+        policy = pod["spec"].get("restartPolicy", "Always")
+        statuses, states = [], []
+        for spec in pod["spec"].get("containers") or []:
+            c = rt.containers.get(spec["name"]) or Container(spec["name"], spec)
+            statuses.append(self._container_status(c, spec))
+            if c.running():
+                states.append("running")
+            elif c.terminated is not None and c.final:
+                states.append("succeeded" if c.terminated.get("exitCode") == 0 else "failed")
+            elif c.terminated is not None or c.last_state:
+                states.append("restarting")
+            else:
+                states.append("waiting")
+        phase = pod_phase(states, policy)
+        conditions = list(old.get("conditions") or [])
+        conditions = set_condition(conditions, "PodReadyToStartContainers", "True")
+        conditions = set_condition(conditions, "Initialized", "True")
+        unready = sorted(s["name"] for s in statuses if not s["ready"])
+        if phase in ("Succeeded", "Failed"):
+            reason, message, ready = "PodCompleted", "", "False"
+        elif unready:
+            reason, message, ready = "ContainersNotReady", f"containers with unready status: [{' '.join(unready)}]", \
+                "False"
+        else:
+            reason, message, ready = "", "", "True"
+        conditions = set_condition(conditions, "Ready", ready, reason, message)
+        conditions = set_condition(conditions, "ContainersReady", ready, reason, message)
+        conditions = set_condition(conditions, "PodScheduled", "True")
+        order = ("PodReadyToStartContainers", "Initialized", "Ready", "ContainersReady", "PodScheduled")
+        conditions.sort(key=lambda cond: order.index(cond["type"]) if cond["type"] in order else len(order))
+        status = {k: v for k, v in old.items() if k not in ("containerStatuses", "conditions")}
+        status.update(phase=phase, conditions=conditions, hostIP=HOST_IP, hostIPs=[{"ip": HOST_IP}],
+                      podIP=rt.ip, podIPs=[{"ip": rt.ip}], startTime=old.get("startTime") or rt.start_time,
+                      containerStatuses=sorted(statuses, key=lambda s: s["name"]))
+        status.setdefault("qosClass", "BestEffort")
+        return status
+
+    def _container_status(self, c: Container, spec: Obj) -> Obj:
+        image = str(spec.get("image", ""))
+        state: Obj
+        if c.running():
+            state = {"running": {"startedAt": c.started_at}}
+        elif c.terminated is not None and (c.final or c.waiting is None):
+            state = {"terminated": c.terminated}
+        else:
+            reason, message = c.waiting or ("ContainerCreating", "")
+            state = {"waiting": {"reason": reason, **({"message": message} if message else {})}}
+        out: Obj = {"name": c.name, "image": image, "imageID": "", "ready": bool(c.running() and c.ready),
+                    "started": bool(c.running() and c.started), "restartCount": c.restart_count, "state": state,
+                    "lastState": c.last_state}
+        if c.proc is not None or c.fake:
+            out["imageID"] = f"kubesim.local/{image}"
+            out["containerID"] = f"process://{c.proc.pid}" if c.proc is not None else f"fake://{c.name}"
+        return out
+
+    # ---- shutdown
+
+    def stop(self) -> None:
+        super().stop()
+        with self._lock:
+            runtimes = list(self.pods.values())
+        procs = [c.proc for rt in runtimes for c in rt.containers.values() if c.proc is not None]
+        for rt in runtimes:
+            for c in rt.containers.values():
+                c.stopping = True
+        for proc in procs:
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 3
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=1)
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+class VolumeError(Exception):
+    """A volume's source is missing (the pod stays ContainerCreating, as with FailedMount)."""
+
+
+VolumeFiles = dict[str, tuple[bytes, int]]
+
+
+def _volume_files(pod: Obj, lookup: Lookup) -> dict[str, VolumeFiles | str]:
+    """Files of each volume (relative path -> (content, mode)), or a host path for hostPath volumes."""
+    out: dict[str, VolumeFiles | str] = {}
+    for vol in pod["spec"].get("volumes") or []:
+        name = vol.get("name", "")
+        for kind, key, ref_name in (("secret", "secret", "secretName"), ("configmap", "configMap", "name")):
+            source = vol.get(key)
+            if not isinstance(source, dict):
+                continue
+            obj = lookup(kind, source.get(ref_name, ""))
+            if obj is None:
+                if source.get("optional"):
+                    out[name] = {}
+                    break
+                raise VolumeError(f'MountVolume.SetUp failed for volume "{name}" : {kind} '
+                                  f'"{source.get(ref_name, "")}" not found')
+            data = {k: (base64.b64decode(v) if kind == "secret" else str(v).encode())
+                    for k, v in (obj.get("data") or {}).items()}
+            mode = int(source.get("defaultMode", 0o644))
+            items = source.get("items")
+            if items:
+                out[name] = {i["path"]: (data.get(i["key"], b""), int(i.get("mode", mode))) for i in items}
+            else:
+                out[name] = {k: (v, mode) for k, v in data.items()}
+            break
+        else:
+            if isinstance(vol.get("hostPath"), dict):
+                out[name] = str(vol["hostPath"].get("path", ""))
+            else:
+                out[name] = {}  # emptyDir and anything else: an empty directory
+    return out
 
 
 def install(cluster: Any) -> None:
-    """Register this part of the simulated cluster with `cluster`."""
+    """The node's kubelet (process or fake mode, from `cluster.config.kubelet_mode`)."""
+    cluster.add_component(Kubelet(cluster))
+
+

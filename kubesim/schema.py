@@ -41,10 +41,8 @@ def _preserve(schema: Obj) -> bool:
 def prune(schema: Obj, value: Any, path: str, unknown: list[str], *, root: bool = False) -> Any:
     """Drop fields the schema does not declare; their paths are collected in `unknown`."""
     if isinstance(value, dict):
-        if schema.get("x-kubernetes-embedded-resource") or root:
-            keep = {"apiVersion", "kind", "metadata"}
-        else:
-            keep = set()
+        embedded = schema.get("x-kubernetes-embedded-resource") or root
+        keep = {"apiVersion", "kind", "metadata"} if embedded else set()
         props = schema.get("properties")
         extra = schema.get("additionalProperties")
         out = {}
@@ -123,14 +121,12 @@ def validate(schema: Obj, value: Any, path: str, causes: list[Cause]) -> None:
         _validate_list_keys(schema, value, path, causes)
     for sub in schema.get("allOf") or []:
         validate(sub, value, path, causes)
-    if schema.get("anyOf"):
-        if not any(_valid(sub, value) for sub in schema["anyOf"]):
-            causes.append(_cause(path, f"Invalid value: {_show(value)}: {path} in body must match at least one "
-                                       "schema in anyOf", "FieldValueInvalid"))
-    if schema.get("oneOf"):
-        if sum(1 for sub in schema["oneOf"] if _valid(sub, value)) != 1:
-            causes.append(_cause(path, f"Invalid value: {_show(value)}: {path} in body must validate one and "
-                                       "only one schema (oneOf)", "FieldValueInvalid"))
+    if schema.get("anyOf") and not any(_valid(sub, value) for sub in schema["anyOf"]):
+        causes.append(_cause(path, f"Invalid value: {_show(value)}: {path} in body must match at least one "
+                                   "schema in anyOf", "FieldValueInvalid"))
+    if schema.get("oneOf") and sum(1 for sub in schema["oneOf"] if _valid(sub, value)) != 1:
+        causes.append(_cause(path, f"Invalid value: {_show(value)}: {path} in body must validate one and "
+                                   "only one schema (oneOf)", "FieldValueInvalid"))
     if isinstance(schema.get("not"), dict) and _valid(schema["not"], value):
         causes.append(_cause(path, f"Invalid value: {_show(value)}: {path} in body must not validate the "
                                    "schema (not)", "FieldValueInvalid"))
@@ -146,7 +142,7 @@ def _type_ok(kind: Any, value: Any) -> bool:
     if not kind:
         return True
     if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool) or (
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
             isinstance(value, float) and value.is_integer())
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)

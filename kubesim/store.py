@@ -27,6 +27,7 @@ from .selectors import LABEL_KEY, LABEL_VALUE, field_matcher, label_matcher
 Obj = dict[str, Any]
 Matcher = Callable[[Obj], bool] | None
 Admission = Callable[[str, ResourceType, Obj, Obj | None], None]
+Warnings = list[str] | None  # where a write reports warnings (unknown fields), if the caller wants them
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
 
@@ -228,7 +229,7 @@ class Store:
     # ---- writes
 
     def create(self, rtype: ResourceType, obj: Obj, *, namespace: str = "", manager: str = "",
-               dry_run: bool = False, field_validation: str = "", warnings: list[str] | None = None,
+               dry_run: bool = False, field_validation: str = "", warnings: Warnings = None,
                applied: tuple[str, Obj] | None = None) -> Obj:
         new = clone(obj)
         meta = new.setdefault("metadata", {})
@@ -267,7 +268,7 @@ class Store:
 
     def update(self, rtype: ResourceType, obj: Obj, *, namespace: str, name: str, subresource: str = "",
                manager: str = "", dry_run: bool = False, field_validation: str = "",
-               warnings: list[str] | None = None) -> Obj:
+               warnings: Warnings = None) -> Obj:
         """PUT: optimistic concurrency on metadata.resourceVersion when the client sends one."""
         new = clone(obj)
         meta = new.get("metadata")
@@ -286,7 +287,7 @@ class Store:
 
     def patch(self, rtype: ResourceType, namespace: str, name: str, patch_type: str, body: Any, *,
               subresource: str = "", manager: str = "", force: bool = False, dry_run: bool = False,
-              field_validation: str = "", warnings: list[str] | None = None) -> tuple[Obj, bool]:
+              field_validation: str = "", warnings: Warnings = None) -> tuple[Obj, bool]:
         """A patch of any of the four types; returns (object, created). Apply creates a missing object."""
         with self._lock:
             old = self.find(rtype, namespace, name)
@@ -415,7 +416,7 @@ class Store:
     # ---- internals
 
     def _write(self, rtype: ResourceType, old: Obj, new: Obj, subresource: str, manager: str, dry_run: bool,
-               field_validation: str, warnings: list[str] | None) -> Obj:
+               field_validation: str, warnings: Warnings) -> Obj:
         new["apiVersion"], new["kind"] = old["apiVersion"], rtype.kind
         if subresource == "status":
             merged = clone(old)
@@ -464,7 +465,7 @@ class Store:
         return self._commit(rtype, MODIFIED, new, old)
 
     def _prepare(self, op: str, rtype: ResourceType, new: Obj, old: Obj | None, field_validation: str,
-                 warnings: list[str] | None) -> None:
+                 warnings: Warnings) -> None:
         if rtype.schema is not None:
             unknown: list[str] = []
             pruned = schema.prune(rtype.schema, new, "", unknown, root=True)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kubevbmc", description="A virtual BMC for KubeVirt virtual machines.")
+    parser = argparse.ArgumentParser(prog="kubevbmc",
+                                     description="A virtual BMC for KubeVirt virtual machines.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from kubesim import cli as sim_cli
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.run(args) or 0)
 
 
-def _not_yet(name: str):  # type: ignore[no-untyped-def]
+def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         print(f"kubevbmc {name}: not implemented yet", file=sys.stderr)
         return 2
