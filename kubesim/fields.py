@@ -70,7 +70,7 @@ def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, o
             item_path = (*path, _item_key(item, keys))
             out.add((*item_path, "."))
             for key, child in item.items():
-                _walk(rtype, names, (*item_path, "f:" + key), child, out)
+                _walk(rtype, (*names, key), (*item_path, "f:" + key), child, out)
         return
     out.add(path)
 
@@ -239,7 +239,8 @@ def apply(rtype: ResourceType, live: Obj, config: Obj, manager: str, subresource
             f"Apply failed with {len(conflicts)} conflict{'s' if len(conflicts) > 1 else ''}: {detail}",
             details={"causes": causes, "kind": rtype.plural, "name": live["metadata"]["name"],
                      **({"group": rtype.group} if rtype.group else {})})
-    merged = _merge(rtype, (), live, _scope(rtype, config, subresource))
+    # A copy: removal below edits in place, and the live object is shared with every reader of the store.
+    merged = _merge(rtype, (), copy.deepcopy(live), _scope(rtype, config, subresource))
     mine = _touch(entries, ident, api_version, now)
     others: set[Path] = set().union(*(e.paths for e in entries if e.ident != ident))
     for path in sorted(mine.paths - wanted, key=len, reverse=True):

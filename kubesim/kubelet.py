@@ -27,6 +27,7 @@ import http.client
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -571,8 +572,8 @@ class Kubelet(ControlLoop):
             self._schedule_restart(c)
             return
         c.terminated = None
-        log.info("kubelet: started %s/%s container %s (pid %d): %s", pod["metadata"].get("namespace", ""),
-                 pod["metadata"]["name"], c.name, c.proc.pid, " ".join(argv))
+        log.info("kubelet: started %s/%s container %s (pid %d): %.160s", pod["metadata"].get("namespace", ""),
+                 pod["metadata"]["name"], c.name, c.proc.pid, shlex.join(argv).replace("\n", "\\n"))
         key = (pod["metadata"].get("namespace", ""), pod["metadata"]["name"])
         c.runner = threading.Thread(target=self._watch_container, args=(key, rt, c, c.proc), daemon=True,
                                     name=f"container-{key[1]}-{c.name}")

@@ -7,6 +7,7 @@ second to boot) is simulated without sleeping threads.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
@@ -28,7 +29,7 @@ class ControlLoop:
         self.store = store
         self._workers = workers
         self._cond = threading.Condition()
-        self._ready: list[Hashable] = []
+        self._ready: collections.deque[Hashable] = collections.deque()
         self._queued: set[Hashable] = set()
         self._active: set[Hashable] = set()
         self._again: set[Hashable] = set()
@@ -59,12 +60,17 @@ class ControlLoop:
         with self._cond:
             if delay > 0:
                 heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), key))
-            elif key in self._active:
-                self._again.add(key)
-            elif key not in self._queued:
-                self._queued.add(key)
-                self._ready.append(key)
+            else:
+                self._make_ready(key)
             self._cond.notify()
+
+    def _make_ready(self, key: Hashable) -> None:
+        """Queue a key (lock held); a key being synced now is synced once more afterwards."""
+        if key in self._active:
+            self._again.add(key)
+        elif key not in self._queued:
+            self._queued.add(key)
+            self._ready.append(key)
 
     def start(self) -> None:
         for i in range(self._workers):
@@ -84,14 +90,9 @@ class ControlLoop:
             while not self._stopping:
                 now = time.monotonic()
                 while self._timers and self._timers[0][0] <= now:
-                    _, _, key = heapq.heappop(self._timers)
-                    if key in self._active:
-                        self._again.add(key)
-                    elif key not in self._queued:
-                        self._queued.add(key)
-                        self._ready.append(key)
+                    self._make_ready(heapq.heappop(self._timers)[2])
                 if self._ready:
-                    key = self._ready.pop(0)
+                    key = self._ready.popleft()
                     self._queued.discard(key)
                     self._active.add(key)
                     return key
@@ -117,9 +118,7 @@ class ControlLoop:
                 self._active.discard(key)
                 if key in self._again:
                     self._again.discard(key)
-                    if key not in self._queued:
-                        self._queued.add(key)
-                        self._ready.append(key)
-                        self._cond.notify()
+                    self._make_ready(key)
+                    self._cond.notify()
             if delay is not None and not self._stopping:
                 self.enqueue(key, delay)

@@ -472,6 +472,7 @@ class _Flow:
     frontend: socket.socket
     client: tuple[str, int]
     upstream: socket.socket
+    backend: tuple[str, int]
     last: float
 
 
@@ -503,6 +504,7 @@ class Proxy:
         self._commands: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._listeners: dict[Frontend, tuple[socket.socket, Route]] = {}
+        self._by_service: dict[tuple[str, str], set[Frontend]] = {}
         self._flows: dict[tuple[int, tuple[str, int]], _Flow] = {}  # (frontend fd, client) -> flow
         self._rr = itertools.count()
         self._thread: threading.Thread | None = None
@@ -570,19 +572,28 @@ class Proxy:
             self._tcp_ready(data, mask)
 
     def _apply(self, owner: tuple[str, str], routes: dict[Frontend, Route]) -> None:
-        for frontend, (_, route) in list(self._listeners.items()):
-            if (route.namespace, route.service) == owner and frontend not in routes:
+        mine = self._by_service.setdefault(owner, set())
+        for frontend in list(mine):
+            if frontend not in routes:
                 self._close_listener(frontend)
+                mine.discard(frontend)
         for frontend, route in routes.items():
             have = self._listeners.get(frontend)
             if have is not None:
+                if (have[1].namespace, have[1].service) != owner:
+                    log.error("proxy: %s %s:%d is already served for service %s/%s", frontend[2], frontend[0],
+                              frontend[1], have[1].namespace, have[1].service)
+                    continue
                 self._listeners[frontend] = (have[0], route)
                 continue
             bound = self._bind(frontend)
             if bound is not None:
                 self._listeners[frontend] = (bound, route)
+                mine.add(frontend)
                 kind = "udp-listen" if frontend[2] == "UDP" else "tcp-listen"
                 self._sel.register(bound, selectors.EVENT_READ, (kind, frontend))
+        if not mine:
+            del self._by_service[owner]
 
     def _bind(self, frontend: Frontend) -> socket.socket | None:
         host, port, protocol = frontend
@@ -617,9 +628,13 @@ class Proxy:
 
     def _backend(self, frontend: Frontend) -> tuple[str, int] | None:
         """A ready endpoint of the frontend's Service port, round-robin (kube-proxy's userspace mode)."""
+        choices = self._choices(frontend)
+        return choices[next(self._rr) % len(choices)] if choices else None
+
+    def _choices(self, frontend: Frontend) -> list[tuple[str, int]]:
         entry = self._listeners.get(frontend)
         if entry is None:
-            return None
+            return []
         route = entry[1]
         ep = self.store.find(self.store.type("/endpoints"), route.namespace, route.service)
         choices: list[tuple[str, int]] = []
@@ -628,9 +643,7 @@ class Proxy:
                          if p.get("name", "") == route.port_name and p.get("protocol", "TCP") == frontend[2]), None)
             if port is not None:
                 choices.extend((a["ip"], port) for a in subset.get("addresses") or [])
-        if not choices:
-            return None
-        return choices[next(self._rr) % len(choices)]
+        return choices
 
     # UDP
 
@@ -642,6 +655,11 @@ class Proxy:
                 return
             flow_key = (sock.fileno(), client)
             flow = self._flows.get(flow_key)
+            if flow is not None and flow.backend not in self._choices(frontend):
+                # The endpoint went away or is no longer ready (a rolled agent pod): forget the flow, as
+                # kube-proxy clears a UDP conntrack entry, so the next datagram finds a live endpoint.
+                self._drop_flow(flow_key)
+                flow = None
             if flow is None:
                 backend = self._backend(frontend)
                 if backend is None:
@@ -651,7 +669,7 @@ class Proxy:
                 upstream.setblocking(False)
                 upstream.bind(("127.0.0.1", 0))
                 upstream.connect(backend)
-                flow = _Flow(sock, client, upstream, time.monotonic())
+                flow = _Flow(sock, client, upstream, backend, time.monotonic())
                 self._flows[flow_key] = flow
                 self._sel.register(upstream, selectors.EVENT_READ, ("udp-flow", flow_key))
             flow.last = time.monotonic()

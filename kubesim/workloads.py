@@ -217,9 +217,10 @@ def replicaset_status(rs: Obj, pods: Iterable[Obj], at: float) -> Obj:
         "availableReplicas": sum(1 for p in active if pod_available(p, min_ready, at)),
         "observedGeneration": rs["metadata"].get("generation", 1),
     }
-    for key in ("conditions",):
-        if key in (rs.get("status") or {}):
-            status[key] = rs["status"][key]
+    # Only `replicas` is always present in apps/v1 ReplicaSetStatus; the other counts are omitempty.
+    status = {k: v for k, v in status.items() if k == "replicas" or v != 0}
+    if "conditions" in (rs.get("status") or {}):
+        status["conditions"] = rs["status"]["conditions"]
     return status
 
 
@@ -710,8 +711,11 @@ class DeploymentController(ControlLoop):
             d.setdefault("status", {})["conditions"] = set_condition(
                 [], "Progressing", "True", "FoundNewReplicaSet",
                 f'Found new replica set "{new_rs["metadata"]["name"]}"', lastUpdateTime=now())
-        status = {**(d.get("status") or {}), **counts}
-        status["conditions"] = deployment_conditions(d, counts, new_rs, at)
+        # The counts are `omitempty` int32s in apps/v1 DeploymentStatus: a zero is not sent at all.
+        status = {k: v for k, v in {**(d.get("status") or {}), **counts}.items() if v != 0}
+        order = ("Available", "Progressing", "ReplicaFailure")
+        status["conditions"] = sorted(deployment_conditions(d, counts, new_rs, at), key=lambda c: order.index(
+            c["type"]) if c.get("type") in order else len(order))
         if status != d.get("status"):
             store.mutate(store.type("apps/deployments"), d["metadata"].get("namespace", ""), d["metadata"]["name"],
                          lambda o: o.update(status=status), subresource="status", manager="deployment-controller")

@@ -1,0 +1,196 @@
+"""The Machine model: one small interface, in BMC terms, that both protocol frontends speak.
+
+IPMI and Redfish translate their requests into these calls and render the answers and the typed errors in
+their own protocol; backends (`KubeVirtMachine`, `MemoryMachine`) implement them. Nothing here knows about IPMI,
+Redfish or KubeVirt.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class PowerState(StrEnum):
+    ON = "On"
+    OFF = "Off"
+    POWERING_ON = "PoweringOn"
+    POWERING_OFF = "PoweringOff"
+    PAUSED = "Paused"
+
+
+class ResetType(StrEnum):
+    """Redfish ResetType names; IPMI chassis control maps onto a subset."""
+
+    ON = "On"
+    FORCE_ON = "ForceOn"
+    FORCE_OFF = "ForceOff"
+    GRACEFUL_SHUTDOWN = "GracefulShutdown"
+    GRACEFUL_RESTART = "GracefulRestart"
+    FORCE_RESTART = "ForceRestart"
+    POWER_CYCLE = "PowerCycle"
+    PUSH_POWER_BUTTON = "PushPowerButton"
+    NMI = "Nmi"
+    PAUSE = "Pause"
+    RESUME = "Resume"
+
+
+class BootTarget(StrEnum):
+    NONE = "None"
+    PXE = "Pxe"
+    HDD = "Hdd"
+    CD = "Cd"
+    BIOS_SETUP = "BiosSetup"
+    UEFI_HTTP = "UefiHttp"
+
+
+class BootEnabled(StrEnum):
+    DISABLED = "Disabled"
+    ONCE = "Once"
+    CONTINUOUS = "Continuous"
+
+
+class BootMode(StrEnum):
+    UEFI = "UEFI"
+    LEGACY = "Legacy"
+
+
+class HealthState(StrEnum):
+    OK = "OK"
+    WARNING = "Warning"
+    CRITICAL = "Critical"
+
+
+class MediaState(StrEnum):
+    EJECTED = "Ejected"
+    INSERTING = "Inserting"  # the image is being imported
+    INSERTED = "Inserted"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True)
+class BootOverride:
+    target: BootTarget = BootTarget.NONE
+    enabled: BootEnabled = BootEnabled.DISABLED
+    mode: BootMode = BootMode.UEFI
+
+
+@dataclass(frozen=True)
+class Health:
+    state: HealthState = HealthState.OK
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class VirtualMedia:
+    slot: str = "Cd"  # later also "Usb"
+    image: str = ""
+    inserted: bool = False
+    write_protected: bool = True
+    state: MediaState = MediaState.EJECTED
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Nic:
+    name: str
+    mac: str
+
+
+@dataclass(frozen=True)
+class Disk:
+    name: str
+    kind: str = "disk"  # disk or cdrom
+    size_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    uuid: str
+    name: str
+    serial: str = ""
+    cpu_sockets: int = 1
+    cpu_cores: int = 1
+    cpu_threads: int = 1
+    memory_bytes: int = 0
+    nics: tuple[Nic, ...] = ()
+    disks: tuple[Disk, ...] = ()
+    firmware: BootMode = BootMode.UEFI
+    secure_boot: bool = False
+
+    @property
+    def cpu_count(self) -> int:
+        return self.cpu_sockets * self.cpu_cores * self.cpu_threads
+
+
+# ---- errors: raised by backends, rendered by each frontend in its protocol
+
+
+class MachineError(Exception):
+    """Base of the typed errors a Machine raises."""
+
+
+class Unsupported(MachineError):
+    """The action exists in the protocol but this machine cannot do it (IPMI 0xCC/0xC1, Redfish 400)."""
+
+
+class InvalidRequest(MachineError):
+    """The request is malformed or not allowed in the current state (IPMI 0xCC/0xD5, Redfish 400/409)."""
+
+
+class BackendUnavailable(MachineError):
+    """The backend cannot answer now (API server unreachable, timeout, conflict): IPMI 0xC0, Redfish 503."""
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class MachineEvent:
+    """What changed, for logs."""
+
+    action: str
+    detail: dict[str, str] = field(default_factory=dict)
+
+
+class Machine(abc.ABC):
+    """A machine as a BMC sees it. Reads are cheap (from a cache); writes may raise the errors above."""
+
+    @abc.abstractmethod
+    def power_state(self) -> PowerState: ...
+
+    @abc.abstractmethod
+    def health(self) -> Health: ...
+
+    @abc.abstractmethod
+    def reset(self, reset_type: ResetType) -> None:
+        """Perform a power action (raises Unsupported for Nmi and anything not in supported_reset_types)."""
+
+    @abc.abstractmethod
+    def supported_reset_types(self) -> tuple[ResetType, ...]: ...
+
+    @abc.abstractmethod
+    def boot_override(self) -> BootOverride: ...
+
+    @abc.abstractmethod
+    def set_boot_override(self, override: BootOverride) -> None: ...
+
+    @abc.abstractmethod
+    def supported_boot_targets(self) -> tuple[BootTarget, ...]: ...
+
+    @abc.abstractmethod
+    def inventory(self) -> Inventory: ...
+
+    @abc.abstractmethod
+    def virtual_media(self, slot: str = "Cd") -> VirtualMedia: ...
+
+    @abc.abstractmethod
+    def insert_media(self, image: str, slot: str = "Cd", write_protected: bool = True) -> None: ...
+
+    @abc.abstractmethod
+    def eject_media(self, slot: str = "Cd") -> None: ...
+
+    def media_slots(self) -> tuple[str, ...]:
+        return ("Cd",)

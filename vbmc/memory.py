@@ -1,0 +1,161 @@
+"""MemoryMachine: a Machine kept in memory, for protocol tests and protocol benchmarks (like sushy-tools' fake
+driver). It follows the same rules as the KubeVirt backend where a client can tell: a Once boot override is
+consumed by the next boot, power actions on a machine in the wrong state are no-ops or errors as on KubeVirt."""
+
+from __future__ import annotations
+
+import threading
+import uuid as uuidlib
+from urllib.parse import urlsplit
+
+from .machine import (
+    BootEnabled,
+    BootMode,
+    BootOverride,
+    BootTarget,
+    Disk,
+    Health,
+    InvalidRequest,
+    Inventory,
+    Machine,
+    MediaState,
+    Nic,
+    PowerState,
+    ResetType,
+    Unsupported,
+    VirtualMedia,
+)
+
+SUPPORTED_RESETS = (ResetType.ON, ResetType.FORCE_ON, ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN,
+                    ResetType.GRACEFUL_RESTART, ResetType.FORCE_RESTART, ResetType.POWER_CYCLE,
+                    ResetType.PUSH_POWER_BUTTON, ResetType.PAUSE, ResetType.RESUME)
+SUPPORTED_TARGETS = (BootTarget.NONE, BootTarget.PXE, BootTarget.HDD, BootTarget.CD, BootTarget.UEFI_HTTP)
+
+
+class MemoryMachine(Machine):
+    def __init__(self, name: str = "vm", uuid: str | None = None, power: PowerState = PowerState.OFF,
+                 has_cdrom: bool = True) -> None:
+        self._lock = threading.Lock()
+        self._power = power
+        self._override = BootOverride()
+        self._boots = 0  # how many times the machine has booted, so tests can see what a boot consumed
+        self._last_boot_target = BootTarget.HDD
+        self._media = VirtualMedia()
+        self._has_cdrom = has_cdrom
+        disks = [Disk("rootdisk", "disk", 10 * 2**30)]
+        if has_cdrom:
+            disks.append(Disk("cdrom", "cdrom"))
+        self._inventory = Inventory(
+            uuid=uuid or str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"kubevbmc:{name}")), name=name,
+            serial=name, cpu_sockets=1, cpu_cores=2, cpu_threads=1, memory_bytes=2 * 2**30,
+            nics=(Nic("default", "02:00:00:00:00:01"),), disks=tuple(disks), firmware=BootMode.UEFI)
+
+    # ---- power
+
+    def power_state(self) -> PowerState:
+        return self._power
+
+    def health(self) -> Health:
+        return Health()
+
+    def supported_reset_types(self) -> tuple[ResetType, ...]:
+        return SUPPORTED_RESETS
+
+    def reset(self, reset_type: ResetType) -> None:
+        if reset_type not in SUPPORTED_RESETS:
+            raise Unsupported(f"reset type {reset_type} is not supported: KubeVirt has no NMI")
+        with self._lock:
+            on = self._power in (PowerState.ON, PowerState.PAUSED, PowerState.POWERING_ON)
+            if reset_type in (ResetType.ON, ResetType.FORCE_ON):
+                if not on:
+                    self._boot()
+            elif reset_type in (ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN):
+                self._power = PowerState.OFF
+            elif reset_type == ResetType.PUSH_POWER_BUTTON:
+                if on:
+                    self._power = PowerState.OFF
+                else:
+                    self._boot()
+            elif reset_type in (ResetType.FORCE_RESTART, ResetType.GRACEFUL_RESTART, ResetType.POWER_CYCLE):
+                if not on and reset_type != ResetType.POWER_CYCLE:
+                    raise InvalidRequest("the machine is off: a restart needs it on")
+                self._boot()
+            elif reset_type == ResetType.PAUSE:
+                if self._power != PowerState.ON:
+                    raise InvalidRequest("only a running machine can be paused")
+                self._power = PowerState.PAUSED
+            elif reset_type == ResetType.RESUME:
+                if self._power != PowerState.PAUSED:
+                    raise InvalidRequest("the machine is not paused")
+                self._power = PowerState.ON
+
+    def _boot(self) -> None:
+        self._power = PowerState.ON
+        self._boots += 1
+        override = self._override
+        if override.enabled != BootEnabled.DISABLED and override.target != BootTarget.NONE:
+            self._last_boot_target = override.target
+        else:
+            self._last_boot_target = BootTarget.HDD
+        if override.enabled == BootEnabled.ONCE:
+            # A Once override is consumed by the boot it applied to.
+            self._override = BootOverride(BootTarget.NONE, BootEnabled.DISABLED, override.mode)
+
+    @property
+    def boots(self) -> int:
+        return self._boots
+
+    @property
+    def last_boot_target(self) -> BootTarget:
+        return self._last_boot_target
+
+    # ---- boot
+
+    def boot_override(self) -> BootOverride:
+        return self._override
+
+    def supported_boot_targets(self) -> tuple[BootTarget, ...]:
+        return SUPPORTED_TARGETS
+
+    def set_boot_override(self, override: BootOverride) -> None:
+        if override.target not in SUPPORTED_TARGETS:
+            raise Unsupported(f"boot target {override.target} is not supported")
+        if override.target == BootTarget.CD and not self._has_cdrom:
+            raise InvalidRequest("the machine has no CD-ROM drive")
+        if override.target == BootTarget.UEFI_HTTP and override.mode != BootMode.UEFI:
+            raise InvalidRequest("UEFI HTTP boot needs UEFI mode")
+        with self._lock:
+            self._override = override
+
+    # ---- inventory
+
+    def inventory(self) -> Inventory:
+        return self._inventory
+
+    # ---- virtual media
+
+    def media_slots(self) -> tuple[str, ...]:
+        return ("Cd",) if self._has_cdrom else ()
+
+    def virtual_media(self, slot: str = "Cd") -> VirtualMedia:
+        self._check_slot(slot)
+        return self._media
+
+    def insert_media(self, image: str, slot: str = "Cd", write_protected: bool = True) -> None:
+        self._check_slot(slot)
+        parts = urlsplit(image)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise InvalidRequest(f"image must be an http or https URL: {image!r}")
+        with self._lock:
+            if self._media.inserted:
+                raise InvalidRequest("a medium is already inserted: eject it first")
+            self._media = VirtualMedia(slot, image, True, write_protected, MediaState.INSERTED)
+
+    def eject_media(self, slot: str = "Cd") -> None:
+        self._check_slot(slot)
+        with self._lock:
+            self._media = VirtualMedia(slot)
+
+    def _check_slot(self, slot: str) -> None:
+        if slot not in self.media_slots():
+            raise InvalidRequest(f"no virtual media slot {slot!r}: the VM has no cdrom disk")

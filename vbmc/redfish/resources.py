@@ -1,0 +1,411 @@
+"""Rendering of Redfish resources: pure functions from the Machine's values to JSON-ready dicts.
+
+Nothing here reads the Machine or the request; the routes gather the values and the app serialises. Property
+names and enum values follow DMTF's schema bundle DSP8010 2025.4 (the versions in SCHEMAS)."""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..machine import (
+    BootOverride,
+    BootTarget,
+    Health,
+    HealthState,
+    Inventory,
+    MediaState,
+    PowerState,
+    ResetType,
+    VirtualMedia,
+)
+from .sessions import Session
+
+ROOT = "/redfish/v1"
+METADATA = f"{ROOT}/$metadata"
+REDFISH_VERSION = "1.20.0"
+
+# Schema namespace -> version used in @odata.type (the newest in the bundle the validators read).
+SCHEMAS: dict[str, str] = {
+    "ServiceRoot": "v1_20_0",
+    "ComputerSystem": "v1_27_0",
+    "Manager": "v1_24_0",
+    "Chassis": "v1_28_0",
+    "VirtualMedia": "v1_6_5",
+    "SessionService": "v1_2_0",
+    "Session": "v1_8_0",
+    "AccountService": "v1_18_1",
+    "ManagerAccount": "v1_14_1",
+    "Role": "v1_3_3",
+    "EthernetInterface": "v1_12_4",
+    "Processor": "v1_22_0",
+    "Memory": "v1_23_0",
+    "SimpleStorage": "v1_3_2",
+    "Storage": "v1_21_0",
+    "Drive": "v1_22_0",
+}
+COLLECTIONS = ("ComputerSystemCollection", "ManagerCollection", "ChassisCollection", "VirtualMediaCollection",
+               "SessionCollection", "ManagerAccountCollection", "RoleCollection", "EthernetInterfaceCollection",
+               "ProcessorCollection", "MemoryCollection", "SimpleStorageCollection", "StorageCollection")
+# Referenced by the schemas above (annotations, shared types); $metadata lists them too.
+SUPPORT_SCHEMAS = ("Resource", "RedfishExtensions", "Message", "Privileges")
+
+ROLES: dict[str, tuple[str, ...]] = {
+    "Administrator": ("Login", "ConfigureManager", "ConfigureUsers", "ConfigureSelf", "ConfigureComponents"),
+    "Operator": ("Login", "ConfigureSelf", "ConfigureComponents"),
+    "ReadOnly": ("Login", "ConfigureSelf"),
+}
+ACCOUNT_ID = "1"
+STORAGE_ID = "1"
+
+
+def odata_type(name: str) -> str:
+    if name in SCHEMAS:
+        return f"#{name}.{SCHEMAS[name]}.{name}"
+    return f"#{name}.{name}"
+
+
+def schema_uri(name: str) -> str:
+    """Where a client finds the JSON schema (the Link: rel=describedby header)."""
+    if name in SCHEMAS:
+        return f"http://redfish.dmtf.org/schemas/v1/{name}.{SCHEMAS[name]}.json"
+    return f"http://redfish.dmtf.org/schemas/v1/{name}.json"
+
+
+def link(path: str) -> dict[str, str]:
+    return {"@odata.id": path}
+
+
+def _head(kind: str, path: str, id_: str | None, name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = {"@odata.id": path, "@odata.type": odata_type(kind),
+                           "@odata.context": f"{METADATA}#{kind}.{kind}"}
+    if id_ is not None:
+        doc["Id"] = id_
+    doc["Name"] = name
+    return doc
+
+
+def collection(kind: str, path: str, name: str, members: Iterable[str]) -> dict[str, Any]:
+    ids = [link(m) for m in members]
+    doc = _head(kind, path, None, name)
+    doc["Members@odata.count"] = len(ids)
+    doc["Members"] = ids
+    return doc
+
+
+def _status(health: HealthState = HealthState.OK, state: str = "Enabled") -> dict[str, str]:
+    return {"State": state, "Health": health.value, "HealthRollup": health.value}
+
+
+@dataclass(frozen=True)
+class Ids:
+    """The URIs of this service's resources, computed once."""
+
+    system_id: str
+    manager_id: str
+    chassis_id: str
+
+    @property
+    def systems(self) -> str:
+        return f"{ROOT}/Systems"
+
+    @property
+    def system(self) -> str:
+        return f"{ROOT}/Systems/{self.system_id}"
+
+    @property
+    def managers(self) -> str:
+        return f"{ROOT}/Managers"
+
+    @property
+    def manager(self) -> str:
+        return f"{ROOT}/Managers/{self.manager_id}"
+
+    @property
+    def chassis_collection(self) -> str:
+        return f"{ROOT}/Chassis"
+
+    @property
+    def chassis(self) -> str:
+        return f"{ROOT}/Chassis/{self.chassis_id}"
+
+
+def service_uuid(machine_uuid: str) -> str:
+    """The service's own UUID: stable per VM, different from the system's."""
+    return str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"kubevbmc:redfish:{machine_uuid}"))
+
+
+def manager_uuid(machine_uuid: str) -> str:
+    return str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"kubevbmc:manager:{machine_uuid}"))
+
+
+# ---- service root and OData documents
+
+
+def service_root(ids: Ids, uuid: str, product: str, version: str) -> dict[str, Any]:
+    doc = _head("ServiceRoot", f"{ROOT}/", "RootService", "Root Service")
+    doc.update({
+        "RedfishVersion": REDFISH_VERSION,
+        "UUID": uuid,
+        "Vendor": "KubeVBMC",
+        "Product": product,
+        "ServiceIdentification": version,
+        "Systems": link(ids.systems),
+        "Managers": link(ids.managers),
+        "Chassis": link(ids.chassis_collection),
+        "SessionService": link(f"{ROOT}/SessionService"),
+        "AccountService": link(f"{ROOT}/AccountService"),
+        "Links": {"Sessions": link(f"{ROOT}/SessionService/Sessions")},
+    })
+    return doc
+
+
+def redfish_version() -> dict[str, str]:
+    return {"v1": f"{ROOT}/"}
+
+
+def odata_service(ids: Ids) -> dict[str, Any]:
+    singletons = [("Service", f"{ROOT}/"), ("Systems", ids.systems), ("Managers", ids.managers),
+                  ("Chassis", ids.chassis_collection), ("SessionService", f"{ROOT}/SessionService"),
+                  ("AccountService", f"{ROOT}/AccountService"), ("Sessions", f"{ROOT}/SessionService/Sessions")]
+    return {"@odata.context": METADATA,
+            "value": [{"name": n, "kind": "Singleton", "url": u} for n, u in singletons]}
+
+
+def metadata_xml() -> str:
+    """The CSDL document at /redfish/v1/$metadata: a reference to every schema this service uses."""
+    refs = []
+    for name in sorted([*SCHEMAS, *COLLECTIONS, *SUPPORT_SCHEMAS]):
+        includes = [f'    <edmx:Include Namespace="{name}"/>']
+        if name in SCHEMAS:
+            includes.append(f'    <edmx:Include Namespace="{name}.{SCHEMAS[name]}"/>')
+        if name == "RedfishExtensions":
+            includes = ['    <edmx:Include Namespace="RedfishExtensions.v1_0_0" Alias="Redfish"/>']
+        if name == "Resource":
+            includes.append('    <edmx:Include Namespace="Resource.v1_0_0"/>')
+        refs.append(f'  <edmx:Reference Uri="http://redfish.dmtf.org/schemas/v1/{name}_v1.xml">\n'
+                    + "\n".join(includes) + "\n  </edmx:Reference>")
+    return ('<?xml version="1.0" encoding="UTF-8"?>\n'
+            '<edmx:Edmx xmlns:edmx="http://docs.oasis-open.org/odata/ns/edmx" Version="4.0">\n'
+            + "\n".join(refs) + "\n"
+            '  <edmx:DataServices>\n'
+            '    <Schema xmlns="http://docs.oasis-open.org/odata/ns/edm" Namespace="Service">\n'
+            f'      <EntityContainer Name="Service" Extends="ServiceRoot.{SCHEMAS["ServiceRoot"]}.ServiceContainer"/>\n'
+            '    </Schema>\n'
+            '  </edmx:DataServices>\n'
+            '</edmx:Edmx>\n')
+
+
+# ---- the system and what hangs off it
+
+
+def _system_state(power: PowerState) -> str:
+    return "Starting" if power == PowerState.POWERING_ON else "Enabled"
+
+
+def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targets: Sequence[BootTarget],
+           resets: Sequence[ResetType], inv: Inventory, has_media: bool) -> dict[str, Any]:
+    path = ids.system
+    doc = _head("ComputerSystem", path, ids.system_id, inv.name)
+    doc.update({
+        "SystemType": "Virtual",
+        "Manufacturer": "KubeVirt",
+        "Model": "KubeVirt VirtualMachine",
+        "SerialNumber": inv.serial,
+        "HostName": inv.name,
+        "UUID": inv.uuid,
+        "PowerState": power.value,
+        "Status": _status(health.state, _system_state(power)),
+        "Boot": {
+            "BootSourceOverrideEnabled": boot.enabled.value,
+            "BootSourceOverrideTarget": boot.target.value,
+            "BootSourceOverrideTarget@Redfish.AllowableValues": [t.value for t in targets],
+            "BootSourceOverrideMode": boot.mode.value,
+            "BootSourceOverrideMode@Redfish.AllowableValues": ["UEFI", "Legacy"],
+        },
+        "ProcessorSummary": {"Count": inv.cpu_sockets, "CoreCount": inv.cpu_sockets * inv.cpu_cores,
+                             "LogicalProcessorCount": inv.cpu_count, "Status": _status()},
+        "MemorySummary": {"TotalSystemMemoryGiB": round(inv.memory_bytes / 2**30, 3), "Status": _status()},
+        "Processors": link(f"{path}/Processors"),
+        "Memory": link(f"{path}/Memory"),
+        "EthernetInterfaces": link(f"{path}/EthernetInterfaces"),
+        "SimpleStorage": link(f"{path}/SimpleStorage"),
+        "Storage": link(f"{path}/Storage"),
+        "Links": {"Chassis": [link(ids.chassis)], "ManagedBy": [link(ids.manager)]},
+        "Actions": {"#ComputerSystem.Reset": {
+            "target": f"{path}/Actions/ComputerSystem.Reset",
+            # KubeVirt has no NMI: never advertise it, whatever a backend lists.
+            "ResetType@Redfish.AllowableValues": [r.value for r in resets if r != ResetType.NMI],
+        }},
+    })
+    if has_media:
+        doc["VirtualMedia"] = link(f"{path}/VirtualMedia")
+    if health.state != HealthState.OK and health.message:
+        doc["Description"] = health.message
+    return doc
+
+
+def ethernet_interface(ids: Ids, name: str, mac: str, power: PowerState) -> dict[str, Any]:
+    doc = _head("EthernetInterface", f"{ids.system}/EthernetInterfaces/{name}", name, f"Interface {name}")
+    up = power in (PowerState.ON, PowerState.PAUSED)
+    doc.update({"MACAddress": mac, "PermanentMACAddress": mac, "InterfaceEnabled": True,
+                "LinkStatus": "LinkUp" if up else "LinkDown", "Status": _status()})
+    return doc
+
+
+def processors(ids: Ids, inv: Inventory) -> list[str]:
+    return [f"{ids.system}/Processors/CPU{i}" for i in range(inv.cpu_sockets)]
+
+
+def processor(ids: Ids, inv: Inventory, index: int) -> dict[str, Any]:
+    doc = _head("Processor", f"{ids.system}/Processors/CPU{index}", f"CPU{index}", f"vCPU socket {index}")
+    doc.update({"Socket": f"CPU {index}", "ProcessorType": "CPU", "TotalCores": inv.cpu_cores,
+                "TotalThreads": inv.cpu_cores * inv.cpu_threads, "TotalEnabledCores": inv.cpu_cores,
+                "Status": _status()})
+    return doc
+
+
+MEMORY_ID = "DIMM0"
+
+
+def memory(ids: Ids, inv: Inventory) -> dict[str, Any]:
+    doc = _head("Memory", f"{ids.system}/Memory/{MEMORY_ID}", MEMORY_ID, "Guest memory")
+    doc.update({"MemoryType": "DRAM", "CapacityMiB": inv.memory_bytes // 2**20, "Status": _status()})
+    return doc
+
+
+def disks(inv: Inventory) -> list[Any]:
+    return [d for d in inv.disks if d.kind == "disk"]
+
+
+def simple_storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
+    doc = _head("SimpleStorage", f"{ids.system}/SimpleStorage/{STORAGE_ID}", STORAGE_ID, "Virtual disks")
+    doc.update({"Devices": [{"Name": d.name, "CapacityBytes": d.size_bytes, "Status": _status()}
+                            for d in disks(inv)],
+                "Status": _status()})
+    return doc
+
+
+def storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
+    path = f"{ids.system}/Storage/{STORAGE_ID}"
+    doc = _head("Storage", path, STORAGE_ID, "Virtual disks")
+    drives = [link(f"{path}/Drives/{d.name}") for d in disks(inv)]
+    doc.update({"Drives@odata.count": len(drives), "Drives": drives, "Status": _status()})
+    return doc
+
+
+def drive(ids: Ids, name: str, size: int | None) -> dict[str, Any]:
+    doc = _head("Drive", f"{ids.system}/Storage/{STORAGE_ID}/Drives/{name}", name, f"Disk {name}")
+    doc.update({"CapacityBytes": size, "Status": _status()})
+    return doc
+
+
+# ---- virtual media
+
+
+def virtual_media(base: str, media: VirtualMedia) -> dict[str, Any]:
+    """`base` is the collection the medium is reached through (the Manager's or the System's)."""
+    path = f"{base}/{media.slot}"
+    doc = _head("VirtualMedia", path, media.slot, f"Virtual {media.slot}")
+    image = media.image or None
+    failed = media.state == MediaState.FAILED
+    doc.update({
+        "MediaTypes": ["CD", "DVD"],
+        "Image": image,
+        "ImageName": image.rsplit("/", 1)[-1].split("?", 1)[0] if image else None,
+        "ConnectedVia": "URI" if media.inserted else "NotConnected",
+        "Inserted": media.inserted,
+        "WriteProtected": media.write_protected,
+        "TransferMethod": "Stream",
+        "TransferProtocolType": (image.split(":", 1)[0].upper() if image else None),
+        "Status": _status(HealthState.WARNING if failed else HealthState.OK,
+                          "Starting" if media.state == MediaState.INSERTING else "Enabled"),
+        "Actions": {
+            "#VirtualMedia.InsertMedia": {"target": f"{path}/Actions/VirtualMedia.InsertMedia"},
+            "#VirtualMedia.EjectMedia": {"target": f"{path}/Actions/VirtualMedia.EjectMedia"},
+        },
+    })
+    if media.message:
+        doc["Description"] = media.message
+    return doc
+
+
+# ---- manager and chassis
+
+
+def manager(ids: Ids, uuid: str, version: str, has_media: bool) -> dict[str, Any]:
+    path = ids.manager
+    doc = _head("Manager", path, ids.manager_id, "KubeVBMC virtual BMC")
+    doc.update({
+        "ManagerType": "BMC",
+        "UUID": uuid,
+        "Manufacturer": "KubeVBMC",
+        "Model": "KubeVBMC agent",
+        "FirmwareVersion": version,
+        "PowerState": "On",
+        "Status": _status(),
+        "Links": {"ManagerForServers": [link(ids.system)], "ManagerForChassis": [link(ids.chassis)],
+                  "ManagerInChassis": link(ids.chassis)},
+    })
+    if has_media:
+        doc["VirtualMedia"] = link(f"{path}/VirtualMedia")
+    return doc
+
+
+def chassis(ids: Ids, inv: Inventory, power: PowerState, health: Health) -> dict[str, Any]:
+    doc = _head("Chassis", ids.chassis, ids.chassis_id, f"{inv.name} chassis")
+    on = power in (PowerState.ON, PowerState.PAUSED, PowerState.POWERING_OFF)
+    doc.update({
+        # A virtual machine has no enclosure; "Other" is the honest ChassisType.
+        "ChassisType": "Other",
+        "Manufacturer": "KubeVirt",
+        "Model": "KubeVirt VirtualMachine",
+        "SerialNumber": inv.serial,
+        "PowerState": "On" if on else "Off",
+        "Status": _status(health.state),
+        "Links": {"ComputerSystems": [link(ids.system)], "ManagedBy": [link(ids.manager)],
+                  "ManagersInChassis": [link(ids.manager)]},
+    })
+    return doc
+
+
+# ---- sessions and accounts
+
+
+def session_service(timeout: int) -> dict[str, Any]:
+    doc = _head("SessionService", f"{ROOT}/SessionService", "SessionService", "Session Service")
+    doc.update({"ServiceEnabled": True, "SessionTimeout": timeout, "Status": _status(),
+                "Sessions": link(f"{ROOT}/SessionService/Sessions")})
+    return doc
+
+
+def session(s: Session) -> dict[str, Any]:
+    doc = _head("Session", f"{ROOT}/SessionService/Sessions/{s.id}", s.id, f"Session {s.id}")
+    doc.update({"UserName": s.username, "Password": None, "SessionType": "Redfish", "CreatedTime": s.created})
+    if s.origin:
+        doc["ClientOriginIPAddress"] = s.origin
+    return doc
+
+
+def account_service() -> dict[str, Any]:
+    doc = _head("AccountService", f"{ROOT}/AccountService", "AccountService", "Account Service")
+    doc.update({"ServiceEnabled": True, "LocalAccountAuth": "Enabled", "Status": _status(),
+                "Accounts": link(f"{ROOT}/AccountService/Accounts"),
+                "Roles": link(f"{ROOT}/AccountService/Roles")})
+    return doc
+
+
+def account(username: str) -> dict[str, Any]:
+    doc = _head("ManagerAccount", f"{ROOT}/AccountService/Accounts/{ACCOUNT_ID}", ACCOUNT_ID, "User Account")
+    doc.update({"UserName": username, "RoleId": "Administrator", "Enabled": True, "Locked": False,
+                "Password": None, "AccountTypes": ["Redfish", "IPMI"],
+                "Links": {"Role": link(f"{ROOT}/AccountService/Roles/Administrator")}})
+    return doc
+
+
+def role(role_id: str) -> dict[str, Any]:
+    doc = _head("Role", f"{ROOT}/AccountService/Roles/{role_id}", role_id, f"{role_id} role")
+    doc.update({"RoleId": role_id, "IsPredefined": True, "AssignedPrivileges": list(ROLES[role_id])})
+    return doc
