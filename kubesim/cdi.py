@@ -89,7 +89,7 @@ def probe(url: str, timeout: float = PROBE_TIMEOUT) -> ProbeResult:
         if parts.query:
             path += "?" + parts.query
         try:
-            conn.request("GET", path, headers={"Host": parts.netloc, "Range": "bytes=0-1023",
+            conn.request("GET", path, headers={"Host": parts.netloc.rsplit("@", 1)[-1], "Range": "bytes=0-1023",
                                                "User-Agent": "kubesim-cdi-importer"})
             response = conn.getresponse()
             response.read(1024)

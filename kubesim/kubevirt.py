@@ -877,7 +877,12 @@ class VirtualMachineController(ControlLoop):
         return None
 
     def _prepare(self, vm_type: ResourceType, vm: Obj) -> Obj | None:
-        """The controller's finalizer, the observed-API-version annotations, and a persisted firmware UUID."""
+        """The controller's finalizer and the observed-API-version annotations.
+
+        Recent KubeVirt also persists the firmware UUID into the VM's template (firmware.go), a spec change that
+        bumps every VM's generation right after creation; kubesim leaves the spec alone and gives each VMI the
+        same stable UUID (`firmware_uuid`) that KubeVirt would have written.
+        """
 
         def change(obj: Obj) -> bool:
             meta = obj["metadata"]
@@ -890,12 +895,6 @@ class VirtualMachineController(ControlLoop):
                 if annotations.get(k) != v:
                     annotations[k] = v
                     changed = True
-            domain = obj.setdefault("spec", {}).setdefault("template", {}).setdefault("spec", {}).setdefault(
-                "domain", {})
-            firmware = domain.setdefault("firmware", {})
-            if not firmware.get("uuid"):
-                firmware["uuid"] = firmware_uuid(str(meta["name"]))
-                changed = True
             return changed
 
         meta = _meta(vm)

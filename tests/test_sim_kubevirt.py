@@ -696,8 +696,7 @@ def test_vmi_is_named_owned_and_labelled_like_its_vm(custom: client.CustomObject
     assert vmi["metadata"]["labels"]["kubevirt.io/nodeName"] == "kubesim-node"
     assert vmi["status"]["nodeName"] == "kubesim-node"
     assert "kubevirt.io/virtualMachineControllerFinalize" in vm["metadata"]["finalizers"]
-    assert vm["spec"]["template"]["spec"]["domain"]["firmware"]["uuid"] == \
-        vmi["spec"]["domain"]["firmware"]["uuid"]
+    assert vmi["spec"]["domain"]["firmware"]["uuid"] == kubevirt.firmware_uuid("vm")
 
 
 def test_vmi_reports_interfaces_with_the_template_mac(custom: client.CustomObjectsApi, api: client.ApiClient,

@@ -273,19 +273,19 @@ def test_crashed_container_restarts_with_restart_count(core: client.CoreV1Api, n
 
 def test_deleting_a_pod_sends_sigterm_and_the_pod_disappears(core: client.CoreV1Api, namespace: str,
                                                              tmp_path: Path) -> None:
-    marker = tmp_path / "signal"
+    marker, armed = tmp_path / "signal", tmp_path / "armed"
     code = f"""
         import signal, sys, time
         def bye(signum, frame):
             open({str(marker)!r}, "w").write(signal.Signals(signum).name)
             sys.exit(0)
         signal.signal(signal.SIGTERM, bye)
+        open({str(armed)!r}, "w").close()
         while True:
             time.sleep(1)
     """
     core.create_namespaced_pod(namespace, pod("p", [python_container(code)]))
-    wait_for(lambda: core.read_namespaced_pod("p", namespace).status.container_statuses[0].state.running,
-             what="container running")
+    wait_for(armed.exists, what="the SIGTERM handler installed")
 
     core.delete_namespaced_pod("p", namespace)
 

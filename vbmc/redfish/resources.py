@@ -45,10 +45,12 @@ SCHEMAS: dict[str, str] = {
     "SimpleStorage": "v1_3_2",
     "Storage": "v1_21_0",
     "Drive": "v1_22_0",
+    "ManagerNetworkProtocol": "v1_12_0",
 }
 COLLECTIONS = ("ComputerSystemCollection", "ManagerCollection", "ChassisCollection", "VirtualMediaCollection",
                "SessionCollection", "ManagerAccountCollection", "RoleCollection", "EthernetInterfaceCollection",
-               "ProcessorCollection", "MemoryCollection", "SimpleStorageCollection", "StorageCollection")
+               "ProcessorCollection", "MemoryCollection", "SimpleStorageCollection", "StorageCollection",
+               "DriveCollection")
 # Referenced by the schemas above (annotations, shared types); $metadata lists them too.
 SUPPORT_SCHEMAS = ("Resource", "RedfishExtensions", "Message", "Privileges")
 
@@ -226,8 +228,8 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
             "BootSourceOverrideMode@Redfish.AllowableValues": ["UEFI", "Legacy"],
         },
         "ProcessorSummary": {"Count": inv.cpu_sockets, "CoreCount": inv.cpu_sockets * inv.cpu_cores,
-                             "LogicalProcessorCount": inv.cpu_count, "Status": _status()},
-        "MemorySummary": {"TotalSystemMemoryGiB": round(inv.memory_bytes / 2**30, 3), "Status": _status()},
+                             "LogicalProcessorCount": inv.cpu_count},
+        "MemorySummary": {"TotalSystemMemoryGiB": round(inv.memory_bytes / 2**30, 3)},
         "Processors": link(f"{path}/Processors"),
         "Memory": link(f"{path}/Memory"),
         "EthernetInterfaces": link(f"{path}/EthernetInterfaces"),
@@ -250,7 +252,8 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
 def ethernet_interface(ids: Ids, name: str, mac: str, power: PowerState) -> dict[str, Any]:
     doc = _head("EthernetInterface", f"{ids.system}/EthernetInterfaces/{name}", name, f"Interface {name}")
     up = power in (PowerState.ON, PowerState.PAUSED)
-    doc.update({"MACAddress": mac, "PermanentMACAddress": mac, "InterfaceEnabled": True,
+    # A virtio NIC has no link speed: SpeedMbps is null (unknown) rather than an invented number.
+    doc.update({"MACAddress": mac, "PermanentMACAddress": mac, "InterfaceEnabled": True, "SpeedMbps": None,
                 "LinkStatus": "LinkUp" if up else "LinkDown", "Status": _status()})
     return doc
 
@@ -288,16 +291,21 @@ def simple_storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
     return doc
 
 
+def drive_paths(ids: Ids, inv: Inventory) -> list[str]:
+    # Drives belong to the Chassis: /Systems/{id}/Storage/{id}/Drives/{id} is deprecated since Storage v1_13.
+    return [f"{ids.chassis}/Drives/{d.name}" for d in disks(inv)]
+
+
 def storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
     path = f"{ids.system}/Storage/{STORAGE_ID}"
     doc = _head("Storage", path, STORAGE_ID, "Virtual disks")
-    drives = [link(f"{path}/Drives/{d.name}") for d in disks(inv)]
+    drives = [link(p) for p in drive_paths(ids, inv)]
     doc.update({"Drives@odata.count": len(drives), "Drives": drives, "Status": _status()})
     return doc
 
 
 def drive(ids: Ids, name: str, size: int | None) -> dict[str, Any]:
-    doc = _head("Drive", f"{ids.system}/Storage/{STORAGE_ID}/Drives/{name}", name, f"Disk {name}")
+    doc = _head("Drive", f"{ids.chassis}/Drives/{name}", name, f"Disk {name}")
     doc.update({"CapacityBytes": size, "Status": _status()})
     return doc
 
@@ -346,6 +354,7 @@ def manager(ids: Ids, uuid: str, version: str, has_media: bool) -> dict[str, Any
         "FirmwareVersion": version,
         "PowerState": "On",
         "Status": _status(),
+        "NetworkProtocol": link(f"{path}/NetworkProtocol"),
         "Links": {"ManagerForServers": [link(ids.system)], "ManagerForChassis": [link(ids.chassis)],
                   "ManagerInChassis": link(ids.chassis)},
     })
@@ -365,9 +374,21 @@ def chassis(ids: Ids, inv: Inventory, power: PowerState, health: Health) -> dict
         "SerialNumber": inv.serial,
         "PowerState": "On" if on else "Off",
         "Status": _status(health.state),
+        "Drives": link(f"{ids.chassis}/Drives"),
         "Links": {"ComputerSystems": [link(ids.system)], "ManagedBy": [link(ids.manager)],
                   "ManagersInChassis": [link(ids.manager)]},
     })
+    return doc
+
+
+def network_protocol(ids: Ids, host_name: str, fqdn: str | None, ports: dict[str, int]) -> dict[str, Any]:
+    """The ports clients reach this BMC on (the Service's, not the pod's unprivileged ones)."""
+    doc = _head("ManagerNetworkProtocol", f"{ids.manager}/NetworkProtocol", "NetworkProtocol",
+                "Manager Network Protocol")
+    doc.update({"HostName": host_name, "FQDN": fqdn, "Status": _status()})
+    for protocol in ("HTTP", "HTTPS", "IPMI"):
+        port = ports.get(protocol)
+        doc[protocol] = {"ProtocolEnabled": port is not None, "Port": port}
     return doc
 
 

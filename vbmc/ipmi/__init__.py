@@ -1,0 +1,5 @@
+"""The IPMI frontend: RMCP+ (lanplus) over UDP, answering IPMI commands from a Machine."""
+
+from .server import IpmiServer
+
+__all__ = ["IpmiServer"]
