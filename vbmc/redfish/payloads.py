@@ -90,7 +90,7 @@ def parse_patch(model: type[M], doc: dict[str, Any], readonly: dict[str, Any]) -
                     errors.append(RedfishError(400, "PropertyNotWritable", name, related=pointer))
                 else:
                     errors.append(RedfishError(400, "PropertyUnknown", name, related=pointer))
-            elif err["type"] == "literal_error":
+            elif err["type"] == "literal_error" and isinstance(value, str):
                 errors.append(RedfishError(400, "PropertyValueNotInList", value, name, related=pointer))
             elif err["type"] == "missing":
                 errors.append(RedfishError(400, "PropertyMissing", name, related=pointer))
@@ -112,7 +112,7 @@ def parse_action(model: type[M], doc: dict[str, Any], action: str) -> M:
                 errors.append(RedfishError(400, "ActionParameterUnknown", action, name, related=pointer))
             elif err["type"] == "missing":
                 errors.append(RedfishError(400, "ActionParameterMissing", action, name, related=pointer))
-            elif err["type"] == "literal_error":
+            elif err["type"] == "literal_error" and isinstance(value, str):
                 errors.append(RedfishError(400, "ActionParameterValueNotInList", value, name, action,
                                            related=pointer))
             else:
