@@ -456,11 +456,11 @@ def test_backend_trouble_is_node_busy_within_two_seconds(machine_class: type[Mem
     server = serve(machine_class("vm-ipmi"))
     try:
         started = time.monotonic()
-        result = ipmitool(server, "power", "on", extra=("-N", "3"))
+        result = ipmitool(server, "power", "on")
         elapsed = time.monotonic() - started
         assert result.returncode != 0
         assert "Node busy" in result.stderr
-        assert elapsed < 2.5  # ~1.5 s of it is the write deadline, the rest is the session setup
+        assert elapsed < 2
         # Reads still work while writes fail.
         assert "Chassis Power is off" in ok(ipmitool(server, "power", "status"))
     finally:

@@ -31,7 +31,7 @@ LAN_CHANNEL = 1
 MAX_SESSIONS = 32
 OPENING_TIMEOUT = 10.0  # seconds an unauthenticated session may wait for its RAKP messages
 IDLE_TIMEOUT = 60.0  # session inactivity timeout (section 6.12.15 suggests 60 s)
-WRITE_DEADLINE = 1.5  # a backend write slower than this is answered 0xC0 (node busy): clients retry after 1-2 s
+WRITE_DEADLINE = 0.8  # a slower backend write is answered 0xC0 (node busy) before ipmitool gives up a try (1 s)
 POLL_INTERVAL = 0.2  # how often the receive loop looks at stop()
 RECEIVE_SIZE = 2048
 
@@ -45,11 +45,11 @@ class Command(NamedTuple):
 
 
 class IpmiServer:
-    """An IPMI BMC for one Machine, with one user.
+    """An IPMI BMC for one Machine, with one user (administrator privilege), on one UDP address.
 
-    >>> server = IpmiServer(machine, "admin", "password", address=("0.0.0.0", 10623))
-    >>> server.start()   # serves in a daemon thread
-    >>> server.stop()    # returns within a second
+    Usage: `server = IpmiServer(machine, "admin", "password", address=("0.0.0.0", 10623))`; `server.start()` binds
+    and serves in a daemon thread (port 0 picks a free port, see `address`); `server.stop()` returns within
+    POLL_INTERVAL, or WRITE_DEADLINE if a backend write is in flight. Also a context manager.
     """
 
     def __init__(self, machine: Machine, username: str, password: str,

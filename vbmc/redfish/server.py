@@ -99,7 +99,7 @@ class RedfishWorker(ThreadWorker):
         self.enqueue_req(TConn(tls, client_sock, client_addr, listener.getsockname()))
 
 
-class RedfishServer(BaseApplication):  # type: ignore[misc]
+class RedfishServer(BaseApplication):
     """gunicorn with one worker serving `app_factory()`."""
 
     def __init__(self, app_factory: AppFactory, config: ServerConfig, *, on_worker_start: Hook | None = None,
