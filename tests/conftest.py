@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 from kubernetes import client, config
 
 T = TypeVar("T")
@@ -134,3 +135,15 @@ def call(api: client.ApiClient, method: str, path: str, body: Any = None, *, que
     except ValueError:
         parsed = raw.decode(errors="replace")
     return Reply(resp.status, parsed, {k.lower(): v for k, v in resp.getheaders().items()})
+
+
+BMC_CRD = REPO / "controller" / "crds" / "bmc.kubevirt.io_virtualmachinebmcs.yaml"
+
+
+@pytest.fixture(scope="session")
+def bmc_crd(api: client.ApiClient) -> None:
+    """The VirtualMachineBMC CRD, installed in the session's kubesim."""
+    reply = call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+                 yaml.safe_load(BMC_CRD.read_text()))
+    assert reply.status in (201, 409), reply.body
+    wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")

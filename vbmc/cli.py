@@ -22,10 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--vms", type=int, default=3)
     demo.set_defaults(run=_demo)
 
-    for name, text in (("agent", "serve IPMI and Redfish for one VM"),
-                       ("controller", "reconcile VirtualMachineBMCs into agents")):
-        p = sub.add_parser(name, help=text)
-        p.set_defaults(run=_not_yet(name))
+    from . import agent
+
+    agent_parser = sub.add_parser("agent", help="serve IPMI and Redfish for one VM")
+    agent.add_arguments(agent_parser)
+    agent_parser.set_defaults(run=agent.run)
+
+    controller = sub.add_parser("controller", help="reconcile VirtualMachineBMCs into agents")
+    controller.set_defaults(run=_not_yet("controller"))
 
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)

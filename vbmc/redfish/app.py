@@ -89,16 +89,20 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
                manager_id: str = "BMC", chassis_id: str | None = None, session_timeout: int = 1800,
                clock: Callable[[], float] = time.monotonic, version: str = VERSION,
                ports: Mapping[str, int] | None = None, host_name: str | None = None,
-               fqdn: str | None = None) -> Flask:
+               fqdn: str | None = None, bmc_uuid: str | None = None) -> Flask:
     """A Redfish service for one machine, with one account (`username`/`password`, HTTP Basic or sessions).
 
     `system_id` defaults to the machine's name (stable for a VM); `session_timeout` is the inactivity timeout
     in seconds; `clock` is injectable so that tests can expire sessions without waiting. `ports` are the
-    ports clients reach the BMC on (the Service's), shown in the Manager's NetworkProtocol."""
+    ports clients reach the BMC on (the Service's), shown in the Manager's NetworkProtocol. `bmc_uuid` seeds
+    the service and manager UUIDs (default: the machine's UUID)."""
     ports = dict(DEFAULT_PORTS if ports is None else ports)
     host_name = host_name or socket.gethostname()
-    inventory = machine.inventory()
-    system_id = system_id or inventory.name
+    if system_id is None or bmc_uuid is None:
+        # Without both, the machine must answer now; the agent passes both so it can start before its VM exists.
+        inventory = machine.inventory()
+        system_id = system_id or inventory.name
+        bmc_uuid = bmc_uuid or inventory.uuid
     chassis_id = chassis_id or system_id
     for value in (system_id, manager_id, chassis_id):
         if not ID_PATTERN.match(value):
@@ -107,8 +111,8 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
     store = SessionStore(session_timeout, clock)
     cache = _Cache()
     user_b, password_b = username.encode(), password.encode()
-    service_uuid = resources.service_uuid(inventory.uuid)
-    mgr_uuid = resources.manager_uuid(inventory.uuid)
+    service_uuid = resources.service_uuid(bmc_uuid)
+    mgr_uuid = resources.manager_uuid(bmc_uuid)
     metadata = resources.metadata_xml().encode()
 
     app = Flask("vbmc.redfish")

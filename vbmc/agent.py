@@ -1,0 +1,213 @@
+"""`kubevbmc agent`: one process serving IPMI and Redfish for one VM.
+
+gunicorn's master forks one worker; everything that holds state lives in that worker: the Machine (and its watch
+on the VM), the Redfish app and the IPMI server, so both protocols see one model. The master imports neither
+Flask nor the backend. SIGTERM stops both servers within two seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .machine import Machine
+
+log = logging.getLogger("vbmc.agent")
+
+HEALTH_PATHS = ("/healthz", "/readyz")
+
+
+@dataclass
+class AgentConfig:
+    namespace: str
+    vm: str
+    vmbmc: str
+    username: str
+    password: str
+    backend: str = "kubevirt"
+    ipmi_address: str = "0.0.0.0:10623"
+    redfish_address: str = "0.0.0.0:10080"
+    redfish_tls_address: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    kubeconfig: str = ""
+    threads: int = 8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--namespace", default=env("VBMC_NAMESPACE", ""), help="the VM's namespace")
+    parser.add_argument("--vm", default=env("VBMC_VM", ""), help="the VirtualMachine's name")
+    parser.add_argument("--vmbmc", default=env("VBMC_VMBMC", ""),
+                        help="the VirtualMachineBMC (its status keeps the boot-once record; Events go to it)")
+    parser.add_argument("--ipmi-address", default=env("VBMC_IPMI_ADDRESS", "0.0.0.0:10623"), metavar="HOST:PORT",
+                        help="UDP address for IPMI; empty disables IPMI (default %(default)s)")
+    parser.add_argument("--redfish-address", default=env("VBMC_REDFISH_ADDRESS", "0.0.0.0:10080"),
+                        metavar="HOST:PORT", help="HTTP address for Redfish and /healthz, /readyz")
+    parser.add_argument("--redfish-tls-address", default=env("VBMC_REDFISH_TLS_ADDRESS", ""), metavar="HOST:PORT")
+    parser.add_argument("--tls-cert", default=env("VBMC_TLS_CERT", ""), metavar="FILE")
+    parser.add_argument("--tls-key", default=env("VBMC_TLS_KEY", ""), metavar="FILE")
+    parser.add_argument("--backend", choices=("kubevirt", "memory"), default=env("VBMC_BACKEND", "kubevirt"),
+                        help="memory: an in-memory machine, no cluster (protocol tests and benchmarks)")
+    parser.add_argument("--kubeconfig", default="", help="default: $KUBECONFIG, else in-cluster")
+    parser.add_argument("--threads", type=int, default=8, help="Redfish worker threads")
+    parser.add_argument("--log-level", default=env("VBMC_LOG_LEVEL", "info"))
+
+
+def config_from(args: argparse.Namespace) -> AgentConfig:
+    username, password = os.environ.get("VBMC_USERNAME", ""), os.environ.get("VBMC_PASSWORD", "")
+    problems = []
+    if not username or not password:
+        problems.append("VBMC_USERNAME and VBMC_PASSWORD must be set (the BMC's credentials)")
+    if not args.vm:
+        problems.append("--vm is required")
+    if args.backend == "kubevirt" and not args.namespace:
+        problems.append("--namespace is required with the kubevirt backend")
+    if args.redfish_tls_address and not (args.tls_cert and args.tls_key):
+        problems.append("--redfish-tls-address needs --tls-cert and --tls-key")
+    for path in (args.tls_cert, args.tls_key):
+        if path and not os.path.exists(path):
+            problems.append(f"{path} does not exist")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return AgentConfig(namespace=args.namespace or "default", vm=args.vm, vmbmc=args.vmbmc, username=username,
+                       password=password, backend=args.backend, ipmi_address=args.ipmi_address,
+                       redfish_address=args.redfish_address, redfish_tls_address=args.redfish_tls_address,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key, kubeconfig=args.kubeconfig,
+                       threads=args.threads)
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class Agent:
+    """What runs in the worker: the Machine, the IPMI server and the Redfish app."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.machine: Machine | None = None
+        self.ipmi: Any = None
+        self._stop = threading.Event()
+        self._ipmi_failed = ""
+
+    def build_machine(self) -> Machine:
+        c = self.config
+        if c.backend == "memory":
+            from .memory import MemoryMachine
+
+            return MemoryMachine(name=c.vm)
+        from .kube import KubeClient, load_credentials
+        from .kubevirt import KubeVirtMachine
+
+        machine = KubeVirtMachine(KubeClient(load_credentials(c.kubeconfig or None)), c.namespace, c.vm, c.vmbmc)
+        machine.start()
+        if not machine.wait_ready(10):
+            log.warning("agent: the API server has not answered yet; serving and retrying")
+        return machine
+
+    def ready(self) -> bool:
+        machine = self.machine
+        if machine is None:
+            return False
+        if getattr(machine, "ready", True) is False:
+            return False
+        return self.ipmi is not None or not self.config.ipmi_address
+
+    def app(self) -> Any:
+        from .redfish import create_app
+
+        c = self.config
+        self.machine = self.build_machine()
+        bmc_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"kubevbmc:{c.namespace}/{c.vm}"))
+        app = create_app(self.machine, c.username, c.password, system_id=c.vm, bmc_uuid=bmc_uuid)
+        if c.ipmi_address:
+            threading.Thread(target=self._start_ipmi, name="ipmi-start", daemon=True).start()
+        app.wsgi_app = _HealthEndpoints(app.wsgi_app, self.ready)
+        return app
+
+    def _start_ipmi(self) -> None:
+        """IPMI answers RAKP with the system GUID, so it starts once the VM is known."""
+        from .ipmi import IpmiServer
+
+        machine = self.machine
+        assert machine is not None
+        while not self._stop.is_set():
+            if getattr(machine, "ready", True):
+                try:
+                    server = IpmiServer(machine, self.config.username, self.config.password,
+                                        address=_host_port(self.config.ipmi_address))
+                    server.start()
+                    self.ipmi = server
+                    return
+                except OSError as exc:
+                    if self._ipmi_failed != str(exc):
+                        log.error("agent: cannot serve IPMI on %s: %s", self.config.ipmi_address, exc)
+                    self._ipmi_failed = str(exc)
+                except Exception as exc:
+                    log.warning("agent: IPMI not started yet: %s", exc)
+            self._stop.wait(0.5)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.ipmi is not None:
+            self.ipmi.stop()
+        stop: Callable[[], None] | None = getattr(self.machine, "stop", None)
+        if stop is not None:
+            stop()
+
+
+class _HealthEndpoints:
+    """`/healthz` (the process serves) and `/readyz` (the VM is watched and IPMI is up), without auth."""
+
+    def __init__(self, app: Any, ready: Callable[[], bool]) -> None:
+        self.app = app
+        self.ready = ready
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path not in HEALTH_PATHS:
+            return self.app(environ, start_response)
+        ok = path == "/healthz" or self.ready()
+        body = b"ok\n" if ok else b"not ready\n"
+        start_response("200 OK" if ok else "503 Service Unavailable",
+                       [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+        return [body]
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
+                "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        return json.dumps(line)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from(args)
+    except ValueError as exc:
+        print(f"kubevbmc agent: {exc}", file=sys.stderr)
+        return 2
+    from .redfish.server import ServerConfig, serve
+
+    agent = Agent(config)
+    server_config = ServerConfig(
+        http=config.redfish_address or None, https=config.redfish_tls_address or None,
+        certfile=config.tls_cert or None, keyfile=config.tls_key or None, threads=config.threads)
+    log.info("agent: serving vm=%s/%s ipmi=%s redfish=%s redfish-tls=%s backend=%s", config.namespace, config.vm,
+             config.ipmi_address or "-", config.redfish_address or "-", config.redfish_tls_address or "-",
+             config.backend)
+    serve(agent.app, server_config, on_worker_exit=agent.shutdown)
+    return 0
