@@ -104,7 +104,7 @@ def get_load(target: Target, path: str, total: int, connections: int, seconds: f
 def watches(target: Target, ns: str, count: int, seconds: float) -> dict[str, float]:
     """Open `count` watches at once, change one object, and time until every watch has seen it."""
     conn = target.connect()
-    status, body = target.request(conn, "POST", f"/api/v1/namespaces/{ns}/configmaps",
+    _status, body = target.request(conn, "POST", f"/api/v1/namespaces/{ns}/configmaps",
                                   {"metadata": {"name": "watched"}, "data": {"n": "0"}})
     rv = json.loads(body)["metadata"]["resourceVersion"]
     socks = []
@@ -206,7 +206,7 @@ def main() -> int:
         conn = target.connect()
         ns = "bench"
         target.request(conn, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
-        status, body = target.request(conn, "POST", f"/api/v1/namespaces/{ns}/configmaps",
+        _status, body = target.request(conn, "POST", f"/api/v1/namespaces/{ns}/configmaps",
                                       {"metadata": {"name": "probe", "labels": {"app": "bench"}},
                                        "data": {"k": "v" * 200}})
         conn.close()
