@@ -29,8 +29,14 @@ demo: venv
 sim: venv
 	$(BIN)/kubevbmc sim
 
-bench: venv
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,bench]'
+	touch $@
+
+# Benchmarks print figures next to a peer measured in the same run; they need ipmitool and wrk (apt-get).
+bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/sim.py
+	$(BIN)/python bench/agent.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

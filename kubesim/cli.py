@@ -7,9 +7,10 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .cluster import Cluster, SimConfig
+if TYPE_CHECKING:
+    from .cluster import SimConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: Any) -> SimConfig:
+    # Imported here: `kubevbmc agent` builds this parser too and must not load the simulator.
+    from .cluster import SimConfig
     host, _, port = args.listen.rpartition(":")
     return SimConfig(host=host or "127.0.0.1", port=int(port), kubeconfig=args.kubeconfig,
                      kubelet_mode=args.kubelet, vm_start_delay=args.vm_start_delay,
@@ -46,6 +49,8 @@ def run(args: Any) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    from .cluster import Cluster
+
     cluster = Cluster(config_from(args))
     cluster.start()
     print(f"kubeconfig: {cluster.kubeconfig}", flush=True)

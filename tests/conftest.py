@@ -119,9 +119,10 @@ def call(api: client.ApiClient, method: str, path: str, body: Any = None, *, que
          token: str | None = None) -> Reply:
     """A raw API request through the official client's transport (its TLS, auth and serialisation)."""
     head = {"Accept": "application/json", "Content-Type": content_type, **(headers or {})}
-    method_, url, head, payload, _ = api.param_serialize(
+    method_, url, head, serialized, _ = api.param_serialize(
         method=method, resource_path=path, query_params=list((query or {}).items()), header_params=head,
         body=body, auth_settings=["BearerToken"])
+    payload: Any = serialized
     if token is not None:
         head = {k: v for k, v in head.items() if k.lower() != "authorization"}
         head["Authorization"] = f"Bearer {token}"

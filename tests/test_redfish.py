@@ -42,8 +42,10 @@ from vbmc.redfish.sessions import SessionStore
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-CSDL = REPO.parent / "shared" / "redfish" / "csdl"
-PROFILE = REPO.parent / "shared" / "redfish" / "OCPBaselineHardwareManagement.v1_0_1.json"
+# DMTF's schemas and the OCP profile come with the project's shared/ folder, beside the repository.
+SHARED = Path(os.environ.get("KUBEVBMC_SHARED", REPO.parent / "shared"))
+CSDL = SHARED / "redfish" / "csdl"
+PROFILE = SHARED / "redfish" / "OCPBaselineHardwareManagement.v1_0_1.json"
 USER, PASSWORD = "admin", "s3cret"
 SYSTEM = "/redfish/v1/Systems/vm1"
 RESET = f"{SYSTEM}/Actions/ComputerSystem.Reset"

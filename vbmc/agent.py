@@ -202,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from .redfish.server import ServerConfig, serve
 
+    # Nothing heavy is imported here: the master stays a bare gunicorn arbiter, and the worker loads Flask, the
+    # IPMI server and the backend after the fork (measured: preloading them costs more, because reference
+    # counting in the worker un-shares the preloaded pages anyway).
     agent = Agent(config)
     server_config = ServerConfig(
         http=config.redfish_address or None, https=config.redfish_tls_address or None,
