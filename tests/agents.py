@@ -1,0 +1,80 @@
+"""A `kubevbmc agent` process for tests: started on free loopback ports, reached with ipmitool and HTTP."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .conftest import REPO
+
+USER, PASSWORD = "admin", "s3cret-pass"
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class AgentProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.ipmi_port = free_port(socket.SOCK_DGRAM)
+        self.http_port = free_port()
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"agent-{self.http_port}.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vbmc", "agent", "--ipmi-address", f"127.0.0.1:{self.ipmi_port}",
+             "--redfish-address", f"127.0.0.1:{self.http_port}", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
+            env={**os.environ, "VBMC_USERNAME": USER, "VBMC_PASSWORD": PASSWORD, **(env or {})})
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/readyz", timeout=1) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    def ipmitool(self, *args: str, cipher: str = "17") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ipmitool", "-I", "lanplus", "-C", cipher, "-H", "127.0.0.1", "-p",
+                               str(self.ipmi_port), "-U", USER, "-P", PASSWORD, "-R", "2", "-N", "1", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    def redfish(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method, headers={
+            "Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode(),
+            "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                raw = resp.read()
+                return resp.status, json.loads(raw) if raw else None
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            return exc.code, json.loads(raw) if raw else None
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=10)
+        finally:
+            self.log.close()
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+
