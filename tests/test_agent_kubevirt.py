@@ -173,13 +173,15 @@ def test_pyghmi_client_powers_the_vm_on(agent: AgentProcess, api: client.ApiClie
 # ---- sushy (Ironic's Redfish library)
 
 
-def sushy_system(agent: AgentProcess) -> Any:
-    conn = sushy.Sushy(f"{agent.url}/redfish/v1", auth=sushy_auth.SessionAuth(USER, PASSWORD))
-    return conn, conn.get_system("/redfish/v1/Systems/vm")
+@pytest.fixture
+def system(agent: AgentProcess) -> Iterator[Any]:
+    """The VM's System through sushy with session login; the session is closed while the agent still runs."""
+    with sushy_auth.SessionAuth(USER, PASSWORD) as auth:  # logs out on exit
+        yield sushy.Sushy(f"{agent.url}/redfish/v1", auth=auth).get_system("/redfish/v1/Systems/vm")
 
 
-def test_sushy_boot_once_pxe_then_disk(agent: AgentProcess, api: client.ApiClient, namespace: str) -> None:
-    _, system = sushy_system(agent)
+def test_sushy_boot_once_pxe_then_disk(agent: AgentProcess, system: Any, api: client.ApiClient,
+        namespace: str) -> None:
     system.reset_system(sushy.ResetType.ON)
     first = wait_for(lambda: running_vmi_uid(api, namespace), timeout=10, what="running")
     system.set_system_boot_options(sushy.BootSource.PXE, enabled=sushy.BootSourceOverrideEnabled.ONCE,
@@ -205,8 +207,8 @@ def test_sushy_boot_once_pxe_then_disk(agent: AgentProcess, api: client.ApiClien
     assert interface_boot_order(get_vmi(api, namespace)) is None
 
 
-def test_sushy_force_off_and_graceful_shutdown(agent: AgentProcess, api: client.ApiClient, namespace: str) -> None:
-    _, system = sushy_system(agent)
+def test_sushy_force_off_and_graceful_shutdown(agent: AgentProcess, system: Any, api: client.ApiClient,
+        namespace: str) -> None:
     system.reset_system(sushy.ResetType.ON)
     wait_for(lambda: running_vmi_uid(api, namespace), timeout=10, what="running")
     system.reset_system(sushy.ResetType.FORCE_OFF)
@@ -217,9 +219,8 @@ def test_sushy_force_off_and_graceful_shutdown(agent: AgentProcess, api: client.
     wait_for(lambda: printable(api, namespace) == "Stopped", timeout=5, what="shut down")
 
 
-def test_sushy_graceful_restart_soft_reboots_in_place(agent: AgentProcess, api: client.ApiClient,
-                                                      namespace: str) -> None:
-    _, system = sushy_system(agent)
+def test_sushy_graceful_restart_soft_reboots_in_place(agent: AgentProcess, system: Any, api: client.ApiClient,
+        namespace: str) -> None:
     system.reset_system(sushy.ResetType.ON)
     uid = wait_for(lambda: running_vmi_uid(api, namespace), timeout=10, what="running")
     system.reset_system(sushy.ResetType.GRACEFUL_RESTART)
@@ -240,9 +241,8 @@ def test_redfish_push_power_button_pause_and_resume(agent: AgentProcess, api: cl
     wait_for(lambda: printable(api, namespace) == "Stopped", timeout=5, what="Stopped")
 
 
-def test_sushy_virtual_media_inserts_a_datavolume_on_the_cdrom(agent: AgentProcess, api: client.ApiClient,
-                                                              namespace: str) -> None:
-    conn, system = sushy_system(agent)
+def test_sushy_virtual_media_inserts_a_datavolume_on_the_cdrom(agent: AgentProcess, system: Any, api: client.ApiClient,
+        namespace: str) -> None:
     media = system.virtual_media.get_members()[0]
     media.insert_media("http://images.example.com/installer.iso", inserted=True, write_protected=True)
     volumes = get_vm(api, namespace)["spec"]["template"]["spec"]["volumes"]
@@ -257,9 +257,9 @@ def test_sushy_virtual_media_inserts_a_datavolume_on_the_cdrom(agent: AgentProce
     assert all(v["name"] != "cdrom" for v in volumes)
 
 
-def test_sushy_inventory_matches_the_vm(agent: AgentProcess, api: client.ApiClient, namespace: str) -> None:
+def test_sushy_inventory_matches_the_vm(agent: AgentProcess, system: Any, api: client.ApiClient,
+        namespace: str) -> None:
     power_on(agent, api, namespace)
-    _, system = sushy_system(agent)
     vmi = get_vmi(api, namespace)
     assert vmi is not None
     assert system.uuid == vmi["spec"]["domain"]["firmware"]["uuid"]

@@ -204,9 +204,10 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
     def log_action(response: Response) -> Response:
         if request.method not in ("GET", "HEAD", "OPTIONS"):
             took = (time.perf_counter() - g.get("started", time.perf_counter())) * 1000
-            log.info("redfish action", extra={"who": g.get("user", "-"), "protocol": "redfish",
-                                               "action": f"{request.method} {request.path}", "vm": system_id,
-                                               "result": response.status_code, "ms": round(took, 1)})
+            # One line per action, the same shape as the IPMI frontend's: who, protocol, action, VM, result, time.
+            log.info("redfish protocol=redfish action=%r vm=%s user=%s client=%s result=%d duration_ms=%.1f",
+                     f"{request.method} {request.path}", system_id, g.get("user", "-"), request.remote_addr,
+                     response.status_code, took)
         return response
 
     def body() -> dict[str, Any]:
