@@ -85,75 +85,64 @@ def ipmi_session(port: int, commands: int, cipher: str) -> float:
     return elapsed / commands
 
 
-def bench_ipmi(commands: int) -> None:
-    agent_ipmi, agent_http, peer_port = free_port(socket.SOCK_DGRAM), free_port(), free_port(socket.SOCK_DGRAM)
-    agent = start_agent(agent_ipmi, agent_http, "--backend", "memory")
-    fakebmc = BIN / "fakebmc"
-    peer = subprocess.Popen([str(fakebmc), "--port", str(peer_port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        time.sleep(1.0)  # fakebmc prints nothing when it is ready; it binds at once
-        rows = []
+def bench_ipmi(servers: dict[str, int], commands: int) -> None:
+    print(f"IPMI `power status` in one ipmitool session ({commands} commands, best of 3), per command")
+    print(f"{'server':<26}{'suite 3 (ms)':>14}{'suite 17 (ms)':>15}{'vs pyghmi (suite 3)':>22}")
+    results: dict[str, dict[str, float]] = {}
+    for name, port in servers.items():
+        results[name] = {}
         for cipher in ("3", "17"):
-            mine = min(ipmi_session(agent_ipmi, commands, cipher) for _ in range(3))
             try:
-                theirs = min(ipmi_session(peer_port, commands, cipher) for _ in range(3))
+                results[name][cipher] = min(ipmi_session(port, commands, cipher) for _ in range(3))
             except SystemExit:
-                theirs = float("nan")  # pyghmi's fake BMC does not negotiate suite 17
-            rows.append((cipher, mine, theirs))
-    finally:
-        stop(agent)
-        peer.terminate()
-        peer.wait(timeout=5)
-    print(f"IPMI `power status` in one ipmitool session ({commands} commands, best of 3)")
-    print(f"{'cipher suite':<14}{'kubevbmc (ms)':>16}{'pyghmi fakebmc (ms)':>22}{'speedup':>10}")
-    for cipher, mine, theirs in rows:
-        speedup = theirs / mine if theirs == theirs else float("nan")
-        shown = f"{theirs * 1000:.3f}" if theirs == theirs else "n/a (no suite 17)"
-        print(f"{cipher:<14}{mine * 1000:>16.3f}{shown:>22}{speedup:>10.2f}")
+                results[name][cipher] = float("nan")  # pyghmi's fake BMC does not negotiate suite 17
+    peer = results["pyghmi fakebmc"]["3"]
+    for name, row in results.items():
+        s3, s17 = (f"{row[c] * 1000:.3f}" if row[c] == row[c] else "n/a" for c in ("3", "17"))
+        print(f"{name:<26}{s3:>14}{s17:>15}{peer / row['3']:>21.2f}x")
     print()
 
 
 # ---- Redfish
 
 
-def wrk(url: str, seconds: float, headers: dict[str, str]) -> dict[str, float]:
-    args = ["wrk", "-t", "2", "-c", "8", "-d", f"{seconds:.0f}s", "--latency", "--timeout", "5s"]
+def wrk(url: str, seconds: float, headers: dict[str, str], connections: int) -> dict[str, float]:
+    threads = min(2, connections)
+    args = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{seconds:.0f}s", "--latency", "--timeout", "5s"]
     for key, value in headers.items():
         args += ["-H", f"{key}: {value}"]
     out = subprocess.run([*args, url], capture_output=True, text=True, timeout=seconds + 30).stdout
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
-    assert p99 is not None, out
-    factor = {"us": 0.001, "ms": 1.0, "s": 1000.0}[p99.group(2)]
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {"rate": rate, "p99_ms": float(p99.group(1)) * factor, "errors": float(non2xx.group(1) if non2xx else 0)}
+    return {"rate": rate, "p50_ms": _percentile(out, "50%"), "p99_ms": _percentile(out, "99%"),
+            "errors": float(non2xx.group(1) if non2xx else 0)}
 
 
-def bench_redfish(seconds: float) -> None:
-    ipmi_port, http_port, peer_port = free_port(socket.SOCK_DGRAM), free_port(), free_port()
-    agent = start_agent(ipmi_port, http_port, "--backend", "memory")
-    peer = subprocess.Popen([str(BIN / "sushy-emulator"), "--fake", "-i", "127.0.0.1", "-p", str(peer_port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_http(f"http://127.0.0.1:{peer_port}/redfish/v1/Systems")
-        with urllib.request.urlopen(f"http://127.0.0.1:{peer_port}/redfish/v1/Systems", timeout=5) as resp:
-            peer_system = json.loads(resp.read())["Members"][0]["@odata.id"]
-        auth = {"Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}
-        mine = wrk(f"http://127.0.0.1:{http_port}/redfish/v1/Systems/vm", seconds, auth)
-        theirs = wrk(f"http://127.0.0.1:{peer_port}{peer_system}", seconds, {})
-    finally:
-        stop(agent)
-        peer.terminate()
-        peer.wait(timeout=5)
-    print(f"Redfish GET System, 8 keep-alive connections, {seconds:.0f} s each (wrk)")
-    print(f"{'':24}{'kubevbmc':>12}{'sushy-tools fake':>18}{'ratio':>8}")
-    ratio = mine["rate"] / theirs["rate"]
-    print(f"{'requests per second':24}{mine['rate']:>12.0f}{theirs['rate']:>18.0f}{ratio:>8.2f}")
-    print(f"{'p99 latency (ms)':24}{mine['p99_ms']:>12.2f}{theirs['p99_ms']:>18.2f}")
-    print(f"{'non-2xx answers':24}{mine['errors']:>12.0f}{theirs['errors']:>18.0f}")
-    print(f"target: >= 5x the peer and p99 < 20 ms: "
-          f"{'met' if mine['rate'] >= 5 * theirs['rate'] and mine['p99_ms'] < 20 else 'NOT met'}")
+def _percentile(out: str, label: str) -> float:
+    m = re.search(label + r"\s+([\d.]+)(us|ms|s)", out)
+    assert m is not None, out
+    return float(m.group(1)) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[m.group(2)]
+
+
+def bench_redfish(servers: dict[str, str], seconds: float) -> None:
+    auth = {"Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}
+    print(f"Redfish GET System with wrk, {seconds:.0f} s per row")
+    print(f"{'server':<26}{'connections':>12}{'req/s':>9}{'p50 (ms)':>10}{'p99 (ms)':>10}{'errors':>8}"
+          f"{'vs sushy-tools':>16}")
+    peer: dict[int, float] = {}
+    rows = []
+    for name, url in servers.items():
+        for conns in (1, 8):
+            r = wrk(url, seconds, auth, conns)
+            rows.append((name, conns, r))
+            if name == "sushy-tools fake":
+                peer[conns] = r["rate"]
+    for name, conns, r in rows:
+        print(f"{name:<26}{conns:>12}{r['rate']:>9.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8.0f}"
+              f"{r['rate'] / peer[conns]:>15.2f}x")
+    mine = next(r for n, c, r in rows if n == "kubevbmc (memory)" and c == 8)
+    print(f"target at 8 connections: >= 5x sushy-tools and p99 < 20 ms: "
+          f"{'met' if mine['rate'] >= 5 * peer[8] and mine['p99_ms'] < 20 else 'NOT met'}")
     print()
 
 
@@ -177,63 +166,74 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in out]
 
 
-def bench_memory() -> None:
+def bench_memory(agent: subprocess.Popen[Any]) -> None:
+    pids = [agent.pid, *children(agent.pid)]
+    print(f"Memory of one agent (kubevirt backend on kubesim, after the loads above), {len(pids)} processes")
+    total_rss = total_pss = 0.0
+    for role, pid in zip(("gunicorn master", "worker (Machine, Redfish, IPMI)"), pids, strict=False):
+        rss, pss = memory_of([pid])
+        total_rss, total_pss = total_rss + rss, total_pss + pss
+        print(f"{role:<34}RSS {rss:6.1f} MB   PSS {pss:6.1f} MB")
+    print(f"{'all processes':<34}RSS {total_rss:6.1f} MB   PSS {total_pss:6.1f} MB  "
+          "(PSS counts a page shared by the two processes once, as the pod's cgroup does)")
+    print(f"target: under 60 MB: {'met' if total_pss < 60 else 'NOT met'} by PSS, "
+          f"{'met' if total_rss < 60 else 'NOT met'} by summed RSS")
+    print()
+
+
+def kubevirt_agent() -> tuple[Any, subprocess.Popen[Any], int, int]:
+    """A kubesim cluster with one VM and its VirtualMachineBMC, and an agent for it."""
     sys.path.insert(0, str(REPO))
-    from tests.conftest import start_sim
+    import yaml
+
+    from tests.conftest import BMC_CRD, call, start_sim, wait_for
+    from tests.vms import make_bmc, make_vm
 
     sim = start_sim(Path(tempfile.mkdtemp(prefix="bench-agent-")) / "sim")
-    try:
-        api = sim.api()
-        import yaml
-
-        from tests.conftest import BMC_CRD, call, wait_for
-        from tests.vms import make_bmc, make_vm
-
-        crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-        call(api, "POST", crds, yaml.safe_load(BMC_CRD.read_text()))
-        wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="the CRD")
-        make_vm(api, "default")
-        make_bmc(api, "default")
-        ipmi_port, http_port = free_port(socket.SOCK_DGRAM), free_port()
-        agent = start_agent(ipmi_port, http_port, "--namespace", "default", "--vmbmc", "vm",
-                            env={"KUBECONFIG": sim.kubeconfig})
-        try:
-            auth = {"Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}
-            for _ in range(200):  # warm every path once: System, Manager, VirtualMedia, IPMI
-                for path in ("/redfish/v1/Systems/vm", "/redfish/v1/Managers/BMC", "/redfish/v1"):
-                    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{http_port}{path}",
-                                                                  headers=auth), timeout=5).read()
-            subprocess.run(["ipmitool", "-I", "lanplus", "-H", "127.0.0.1", "-p", str(ipmi_port), "-U", USER,
-                            "-P", PASSWORD, "power", "status"], capture_output=True, timeout=30)
-            pids = [agent.pid, *children(agent.pid)]
-            rss, pss = memory_of(pids)
-        finally:
-            stop(agent)
-    finally:
-        sim.stop()
-    print(f"Memory of one agent (kubevirt backend, {len(pids)} processes, after traffic)")
-    print(f"{'RSS summed (MB)':24}{rss:>10.1f}   (shared pages counted once per process)")
-    print(f"{'PSS summed (MB)':24}{pss:>10.1f}   (shared pages split between processes)")
-    print(f"target: under 60 MB: {'met' if pss < 60 else 'NOT met'} by PSS, {'met' if rss < 60 else 'NOT met'} by RSS")
-    print()
+    api = sim.api()
+    call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", yaml.safe_load(BMC_CRD.read_text()))
+    wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="the CRD")
+    make_vm(api, "default")
+    make_bmc(api, "default")
+    ipmi_port, http_port = free_port(socket.SOCK_DGRAM), free_port()
+    agent = start_agent(ipmi_port, http_port, "--namespace", "default", "--vmbmc", "vm",
+                        env={"KUBECONFIG": sim.kubeconfig})
+    return sim, agent, ipmi_port, http_port
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=10, help="wrk duration per server (default %(default)s)")
+    parser.add_argument("--seconds", type=float, default=8, help="wrk duration per row (default %(default)s)")
     parser.add_argument("--commands", type=int, default=500, help="IPMI commands per session (default %(default)s)")
-    parser.add_argument("--only", choices=("ipmi", "redfish", "memory"), action="append")
     args = parser.parse_args()
     for tool in ("ipmitool", "wrk"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is needed: apt-get install {tool}")
-    parts = args.only or ["ipmi", "redfish", "memory"]
-    if "ipmi" in parts:
-        bench_ipmi(args.commands)
-    if "redfish" in parts:
-        bench_redfish(args.seconds)
-    if "memory" in parts:
-        bench_memory()
+    mem_ipmi, mem_http, fake_ipmi, sushy_port = (free_port(socket.SOCK_DGRAM), free_port(),
+                                                 free_port(socket.SOCK_DGRAM), free_port())
+    memory_agent = start_agent(mem_ipmi, mem_http, "--backend", "memory")
+    fakebmc = subprocess.Popen([str(BIN / "fakebmc"), "--port", str(fake_ipmi)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    sushy_tools = subprocess.Popen([str(BIN / "sushy-emulator"), "--fake", "-i", "127.0.0.1", "-p", str(sushy_port)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sim, kv_agent, kv_ipmi, kv_http = kubevirt_agent()
+    try:
+        wait_http(f"http://127.0.0.1:{sushy_port}/redfish/v1/Systems")
+        with urllib.request.urlopen(f"http://127.0.0.1:{sushy_port}/redfish/v1/Systems", timeout=5) as resp:
+            peer_system = json.loads(resp.read())["Members"][0]["@odata.id"]
+        bench_ipmi({"kubevbmc (memory)": mem_ipmi, "kubevbmc (kubevirt)": kv_ipmi, "pyghmi fakebmc": fake_ipmi},
+                   args.commands)
+        bench_redfish({"kubevbmc (memory)": f"http://127.0.0.1:{mem_http}/redfish/v1/Systems/vm",
+                       "kubevbmc (kubevirt)": f"http://127.0.0.1:{kv_http}/redfish/v1/Systems/vm",
+                       "sushy-tools fake": f"http://127.0.0.1:{sushy_port}{peer_system}"}, args.seconds)
+        bench_memory(kv_agent)
+    finally:
+        for proc in (memory_agent, kv_agent):
+            stop(proc)
+        for proc in (fakebmc, sushy_tools):
+            proc.terminate()
+            proc.wait(timeout=5)
+        sim.stop()
     return 0
 
 
