@@ -18,9 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     sim_cli.add_arguments(sim)
     sim.set_defaults(run=sim_cli.run)
 
-    demo = sub.add_parser("demo", help="a simulated cluster with a few VMs and their BMCs")
-    demo.add_argument("--vms", type=int, default=3)
-    demo.set_defaults(run=_demo)
+    from . import demo
+
+    demo_parser = sub.add_parser("demo", help="a simulated cluster with a few VMs and their BMCs")
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(run=demo.run)
 
     from . import agent
 
@@ -28,8 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     agent.add_arguments(agent_parser)
     agent_parser.set_defaults(run=agent.run)
 
+    from controller import cli as controller_cli
+
     controller = sub.add_parser("controller", help="reconcile VirtualMachineBMCs into agents")
-    controller.set_defaults(run=_not_yet("controller"))
+    controller_cli.add_arguments(controller)
+    controller.set_defaults(run=controller_cli.run)
 
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)
@@ -41,8 +46,3 @@ def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
         return 2
 
     return run
-
-
-def _demo(args: argparse.Namespace) -> int:
-    print("kubevbmc demo: coming soon (the controller lands next); try `kubevbmc sim` meanwhile")
-    return 0

@@ -14,6 +14,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,12 @@ class RedfishWorker(ThreadWorker):
         self.nr_conns += 1
         client_sock.setblocking(True)
         self.enqueue_req(TConn(tls, client_sock, client_addr, listener.getsockname()))
+
+    def _cap_keepalive(self, deadline: float) -> None:
+        # On SIGTERM gthread lets idle keep-alive connections linger for up to a second, as long as the
+        # master's whole grace period: the master could SIGKILL the worker before its exit hook (which stops
+        # IPMI) runs. A BMC has nothing to finish on an idle connection: close them at once.
+        super()._cap_keepalive(time.monotonic())
 
 
 class RedfishServer(BaseApplication):

@@ -1,0 +1,156 @@
+"""`kubevbmc demo`: a simulated cluster with a few VMs, the controller, and agents to reach with ipmitool and curl.
+
+It starts kubesim (with its kubelet running agent pods as local processes and its Service proxy on 127.0.0.0/8),
+installs the VirtualMachineBMC CRD, runs the controller, creates N sample VMs with a cdrom disk, their Secrets and
+VirtualMachineBMCs, waits until every BMC is Ready, prints how to reach each, then `ready`, and runs until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+USERNAME, PASSWORD = "admin", "password"
+IMAGE = "kubevbmc:dev"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vms", type=int, default=3, help="how many sample VMs (default %(default)s)")
+    parser.add_argument("--namespace", default="default")
+    parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="kubesim's API address")
+    parser.add_argument("--workdir", default="", help="where the kubeconfig and logs go (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for the BMCs to be Ready")
+
+
+def _vm(name: str) -> dict[str, Any]:
+    return {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": name},
+            "spec": {"runStrategy": "Halted", "template": {
+                "metadata": {"labels": {"kubevirt.io/vm": name}},
+                "spec": {"domain": {"cpu": {"cores": 2},
+                                    "resources": {"requests": {"memory": "2Gi"}},
+                                    "firmware": {"bootloader": {"efi": {"secureBoot": False}}},
+                                    "devices": {"disks": [{"name": "rootdisk", "disk": {"bus": "virtio"}},
+                                                          {"name": "cdrom", "cdrom": {"bus": "sata"}}],
+                                                "interfaces": [{"name": "default", "masquerade": {}}]}},
+                         "networks": [{"name": "default", "pod": {}}],
+                         "volumes": [{"name": "rootdisk",
+                                      "containerDisk": {"image": "quay.io/containerdisks/fedora:latest"}}]}}}}
+
+
+def _secret(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-bmc-auth"},
+            "stringData": {"username": USERNAME, "password": PASSWORD}}
+
+
+def _bmc(name: str) -> dict[str, Any]:
+    return {"apiVersion": "bmc.kubevirt.io/v1beta1", "kind": "VirtualMachineBMC", "metadata": {"name": name},
+            "spec": {"virtualMachineRef": {"name": name}, "authSecretRef": {"name": f"{name}-bmc-auth"}}}
+
+
+def _ready(bmc: dict[str, Any]) -> bool:
+    conditions = (bmc.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from kubesim.cli import config_from as sim_config
+    from kubesim.cluster import Cluster
+
+    from .kube import KubeClient, KubeError, load_credentials
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kubevbmc-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    sim_args = argparse.Namespace(listen=args.listen, kubeconfig=str(workdir / "kubeconfig"), kubelet="process",
+                                  vm_start_delay=1.0, vm_stop_delay=2.0, import_delay=1.0, history=20000,
+                                  log_dir=str(workdir / "pods"), bookmark_interval=5.0)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(sim_config(sim_args))
+    cluster.start()
+    controller: subprocess.Popen[bytes] | None = None
+    try:
+        api = KubeClient(load_credentials(cluster.kubeconfig))
+        crd = yaml.safe_load(resources.files("controller").joinpath(
+            "crds", "bmc.kubevirt.io_virtualmachinebmcs.yaml").read_text(encoding="utf-8"))
+        api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+        _wait(lambda: _served(api), 10, "the VirtualMachineBMC CRD to be served")
+        log = open(workdir / "controller.log", "wb")  # noqa: SIM115 (lives as long as the controller)
+        controller = subprocess.Popen(
+            [sys.executable, "-m", "vbmc", "controller", "--kubeconfig", cluster.kubeconfig, "--image", IMAGE],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": cluster.kubeconfig})
+        ns = args.namespace
+        if ns != "default":
+            try:
+                api.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise
+        names = [f"vm-{i}" for i in range(1, args.vms + 1)]
+        for name in names:
+            api.request("POST", f"/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachines", _vm(name))
+            api.request("POST", f"/api/v1/namespaces/{ns}/secrets", _secret(name))
+            api.request("POST", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{ns}/virtualmachinebmcs", _bmc(name))
+        path = f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{ns}/virtualmachinebmcs"
+
+        def all_ready() -> list[dict[str, Any]] | None:
+            items = api.request("GET", path).get("items") or []
+            return items if len(items) == len(names) and all(_ready(b) for b in items) else None
+
+        bmcs = _wait(all_ready, args.timeout, "every VirtualMachineBMC to be Ready", stop)
+        for bmc in sorted(bmcs, key=lambda b: b["metadata"]["name"]):
+            endpoints = (bmc.get("status") or {}).get("endpoints") or {}
+            print(f"bmc {ns}/{bmc['spec']['virtualMachineRef']['name']} ipmi={endpoints.get('ipmi')} "
+                  f"redfish={endpoints.get('redfish')} username={USERNAME} password={PASSWORD}")
+        first = (bmcs[0].get("status") or {}).get("endpoints") or {}
+        host = str(first.get("ipmi", "")).rsplit(":", 1)[0]
+        print()
+        print("try:")
+        print(f"  ipmitool -I lanplus -H {host} -U {USERNAME} -P {PASSWORD} power status")
+        print(f"  ipmitool -I lanplus -H {host} -U {USERNAME} -P {PASSWORD} power on")
+        print(f"  curl -k -u {USERNAME}:{PASSWORD} {first.get('redfish')}")
+        print(f"  KUBECONFIG={cluster.kubeconfig} {Path(sys.executable).parent / 'kubectl'} get vm,vmbmc -A")
+        print(f"kubeconfig: {cluster.kubeconfig}")
+        print("ready", flush=True)
+        stop.wait()
+        return 0
+    except TimeoutError as exc:
+        print(f"kubevbmc demo: {exc} (logs in {workdir})", file=sys.stderr)
+        return 1
+    finally:
+        if controller is not None:
+            controller.terminate()
+            try:
+                controller.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                controller.kill()
+        cluster.stop()
+
+
+def _served(api: Any) -> bool:
+    try:
+        api.request("GET", "/apis/bmc.kubevirt.io/v1beta1")
+        return True
+    except Exception:
+        return False
+
+
+def _wait(check: Any, timeout: float, what: str, stop: threading.Event | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+        result = check()
+        if result:
+            return result
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
