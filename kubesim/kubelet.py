@@ -196,12 +196,15 @@ def _resource_field(container: Obj, ref: Obj) -> str:
 
 def rewrite_paths(text: str, mounts: list[tuple[str, str]]) -> str:
     """Mount paths replaced by the host directories standing in for them (longest first, whole segments)."""
-    for mount, local in sorted(mounts, key=lambda m: -len(m[0])):
-        mount = mount.rstrip("/") or "/"
-        if mount == "/":
-            continue
-        text = re.sub(r"(?<![\w./-])" + re.escape(mount) + r"(?=/|$|[^\w.-])", local.replace("\\", "\\\\"), text)
-    return text
+    # One pass over all mounts: a host directory may itself lie below another mount's path (an emptyDir at
+    # /tmp while the kubelet's directories are under /tmp), and a second pass would rewrite it again.
+    table = {(m.rstrip("/") or "/"): local for m, local in mounts}
+    table.pop("/", None)
+    if not table:
+        return text
+    alternatives = "|".join(re.escape(m) for m in sorted(table, key=len, reverse=True))
+    pattern = re.compile(r"(?<![\w./-])(" + alternatives + r")(?=/|$|[^\w.-])")
+    return pattern.sub(lambda m: table[m.group(1)], text)
 
 
 def container_argv(container: Obj, env: dict[str, str], entrypoint: list[str]) -> list[str]:

@@ -480,6 +480,14 @@ def test_mount_paths_are_rewritten_to_the_pod_directory() -> None:
         "--cert=/tmp/p/volumes/tls/tls.crt --user=/tmp/p/volumes/creds/user /etc/bmc2"
 
 
+def test_a_rewritten_path_is_not_rewritten_again_by_another_mount() -> None:
+    # The kubelet's own directories live under /tmp; a pod that mounts an emptyDir at /tmp must not see them
+    # rewritten a second time.
+    mounts = [("/tmp", "/tmp/kubelet/volumes/scratch"), ("/etc/tls", "/tmp/kubelet/volumes/tls")]
+    assert rewrite_paths("--cert /etc/tls/tls.crt --dir /tmp/x", mounts) == \
+        "--cert /tmp/kubelet/volumes/tls/tls.crt --dir /tmp/kubelet/volumes/scratch/x"
+
+
 @pytest.mark.parametrize(("states", "policy", "phase"), [
     (["waiting"], "Always", "Pending"), (["running", "waiting"], "Always", "Pending"),
     (["running"], "Always", "Running"), (["restarting"], "Always", "Running"),

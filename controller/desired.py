@@ -1,0 +1,217 @@
+"""The children of one VirtualMachineBMC as plain dicts: pure functions of (VirtualMachineBMC, VM, Secret,
+settings), which are exactly what the controller applies with server-side apply.
+
+Every child is named `<vm>-virtbmc` (KubeVirtBMC's names, so in-cluster DNS names carry over), labelled
+managed-by kubevbmc plus the owning VirtualMachineBMC, and controlled by it (deleting the CR deletes them).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from typing import Any
+
+from .certificates import TLSMaterial
+from .settings import Settings
+from .spec import API_VERSION, KIND, BMCSpec
+
+Obj = dict[str, Any]
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGER = "kubevbmc"
+OWNER_LABEL = "bmc.kubevirt.io/vmbmc"
+VM_LABEL = "bmc.kubevirt.io/vm"
+NAME_LABEL = "app.kubernetes.io/name"
+AGENT = "kubevbmc-agent"
+CREDENTIALS_CHECKSUM = "bmc.kubevirt.io/credentials-checksum"
+TLS_CHECKSUM = "bmc.kubevirt.io/tls-checksum"
+
+IPMI_PORT, HTTP_PORT, HTTPS_PORT = 10623, 10080, 10443
+TLS_DIR = "/etc/kubevbmc/tls"
+RUN_DIR = "/var/run/kubevbmc"
+CREDENTIAL_KEYS = ("username", "password")
+
+
+def child_name(vm: str) -> str:
+    return f"{vm}-virtbmc"
+
+
+def tls_secret_name(vm: str) -> str:
+    return f"{vm}-virtbmc-tls"
+
+
+def selector(vm: str) -> dict[str, str]:
+    # From the VM, not the owner: the Deployment's selector is immutable, and the children keep their names if
+    # another VirtualMachineBMC takes the VM over.
+    return {NAME_LABEL: AGENT, VM_LABEL: vm}
+
+
+def labels(bmc: Obj, vm: str) -> dict[str, str]:
+    return {MANAGED_BY: MANAGER, OWNER_LABEL: bmc["metadata"]["name"], **selector(vm)}
+
+
+def owner_reference(bmc: Obj) -> Obj:
+    meta = bmc["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"], "controller": True,
+            "blockOwnerDeletion": True}
+
+
+def _meta(bmc: Obj, name: str, vm: str, **extra: Any) -> Obj:
+    return {"name": name, "namespace": bmc["metadata"]["namespace"], "labels": labels(bmc, vm),
+            "ownerReferences": [owner_reference(bmc)], **extra}
+
+
+def cdrom_disks(vm: Obj | None) -> list[str]:
+    devices = ((((vm or {}).get("spec") or {}).get("template") or {}).get("spec") or {}).get("domain") or {}
+    disks = (devices.get("devices") or {}).get("disks") or []
+    return [str(d["name"]) for d in disks if isinstance(d, dict) and "cdrom" in d and d.get("name")]
+
+
+def desired_service_account(bmc: Obj, vm: str) -> Obj:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(bmc, child_name(vm), vm)}
+
+
+def desired_role(bmc: Obj, vm: str, cdroms: list[str]) -> Obj:
+    """What the agent needs, restricted by resourceNames to its own VM, VMI, DataVolumes and VirtualMachineBMC.
+
+    The RBAC docs: a list or watch is allowed by a resourceNames rule only when it carries the field selector
+    `metadata.name=<name>` (the agent's watches do); create cannot be restricted by name (the name is not known
+    at authorization), so creating DataVolumes is the one namespace-wide permission, and the agent only names
+    them `<vm>-<cdrom disk>`.
+    """
+    bmc_name = bmc["metadata"]["name"]
+    dvs = sorted(f"{vm}-{disk}" for disk in cdroms)
+    rules: list[Obj] = [
+        {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachines"], "resourceNames": [vm],
+         "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachineinstances"], "resourceNames": [vm],
+         "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["subresources.kubevirt.io"], "resources": [
+            "virtualmachines/start", "virtualmachines/stop", "virtualmachines/restart"],
+         "resourceNames": [vm], "verbs": ["update"]},
+        {"apiGroups": ["subresources.kubevirt.io"], "resources": [
+            "virtualmachineinstances/pause", "virtualmachineinstances/unpause",
+            "virtualmachineinstances/softreboot", "virtualmachineinstances/reset"],
+         "resourceNames": [vm], "verbs": ["update"]},
+        {"apiGroups": ["bmc.kubevirt.io"], "resources": ["virtualmachinebmcs"], "resourceNames": [bmc_name],
+         "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["bmc.kubevirt.io"], "resources": ["virtualmachinebmcs/status"], "resourceNames": [bmc_name],
+         "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+    ]
+    if dvs:
+        rules.append({"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "resourceNames": dvs,
+                      "verbs": ["get", "delete"]})
+        rules.append({"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "verbs": ["create"]})
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(bmc, child_name(vm), vm),
+            "rules": rules}
+
+
+def desired_role_binding(bmc: Obj, vm: str) -> Obj:
+    name = child_name(vm)
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _meta(bmc, name, vm),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": bmc["metadata"]["namespace"]}]}
+
+
+def desired_service(bmc: Obj, vm: str) -> Obj:
+    spec = BMCSpec.of(bmc)
+    ports: list[Obj] = []
+    if spec.ipmi.enabled:
+        ports.append({"name": "ipmi", "port": 623, "targetPort": "ipmi", "protocol": "UDP"})
+    if spec.redfish.enabled:
+        ports.append({"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"})
+        ports.append({"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"})
+    meta = _meta(bmc, child_name(vm), vm)
+    if spec.service.annotations:
+        meta["annotations"] = dict(spec.service.annotations)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+            "spec": {"type": spec.service.type, "selector": selector(vm), "ports": ports}}
+
+
+def desired_tls_secret(bmc: Obj, vm: str, material: TLSMaterial) -> Obj:
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(bmc, tls_secret_name(vm), vm),
+            "type": "kubernetes.io/tls",
+            "data": {"tls.crt": b64(material.cert_pem), "tls.key": b64(material.key_pem),
+                     "ca.crt": b64(material.ca_pem)}}
+
+
+def checksum(secret: Obj | None, keys: tuple[str, ...] | None = None) -> str:
+    """sha256 of a Secret's data (only `keys` if given): a pod template annotation, so a change rolls the agent."""
+    data = (secret or {}).get("data") or {}
+    digest = hashlib.sha256()
+    for key in sorted(keys if keys is not None else data):
+        digest.update(f"{key}={data.get(key, '')}\n".encode())
+    return digest.hexdigest()
+
+
+def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, tls_secret: Obj | None) -> Obj:
+    spec = BMCSpec.of(bmc)
+    name = child_name(vm)
+    secret_name = credentials["metadata"]["name"]
+    args = ["agent", "--namespace", "$(POD_NAMESPACE)", "--vm", vm, "--vmbmc", bmc["metadata"]["name"],
+            "--ipmi-address", f"$(POD_IP):{IPMI_PORT}" if spec.ipmi.enabled else "",
+            "--redfish-address", f"$(POD_IP):{HTTP_PORT}"]
+    ports: list[Obj] = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    if spec.ipmi.enabled:
+        ports.insert(0, {"name": "ipmi", "containerPort": IPMI_PORT, "protocol": "UDP"})
+    # The root filesystem is read-only; gunicorn's worker heartbeat and Python's tempfile need a writable TMPDIR.
+    mounts: list[Obj] = [{"name": "tmp", "mountPath": RUN_DIR}]
+    volumes: list[Obj] = [{"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}}]
+    annotations = {CREDENTIALS_CHECKSUM: checksum(credentials, CREDENTIAL_KEYS)}
+    if spec.redfish.enabled and tls_secret is not None:
+        args += ["--redfish-tls-address", f"$(POD_IP):{HTTPS_PORT}",
+                 "--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
+        ports.append({"name": "https", "containerPort": HTTPS_PORT, "protocol": "TCP"})
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": tls_secret["metadata"]["name"],
+                                                  "defaultMode": 0o440}})
+        annotations[TLS_CHECKSUM] = checksum(tls_secret, ("tls.crt", "tls.key"))
+
+    def from_secret(env: str, key: str) -> Obj:
+        return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key}}}
+
+    container: Obj = {
+        "name": "agent", "image": settings.agent_image, "args": args,
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
+                {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"apiVersion": "v1",
+                                                                     "fieldPath": "metadata.namespace"}}},
+                {"name": "TMPDIR", "value": RUN_DIR},
+                from_secret("VBMC_USERNAME", "username"), from_secret("VBMC_PASSWORD", "password")],
+        "ports": ports,
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http", "scheme": "HTTP"}, "periodSeconds": 2,
+                           "timeoutSeconds": 2, "failureThreshold": 3, "successThreshold": 1},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http", "scheme": "HTTP"},
+                          "initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 2,
+                          "failureThreshold": 3, "successThreshold": 1},
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+        "securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": mounts,
+    }
+    pod_labels = labels(bmc, vm)
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(bmc, name, vm), "spec": {
+        "replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector(vm)},
+        "template": {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": {
+            "serviceAccountName": name, "automountServiceAccountToken": True,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [container], "volumes": volumes}}}}
+
+
+def credentials_problem(spec: BMCSpec, secret: Obj | None) -> tuple[str, str] | None:
+    """(reason, message) when the credentials Secret cannot be used, else None."""
+    if spec.auth_secret_ref is None:
+        return "SecretNotSpecified", "spec.authSecretRef names no Secret with the BMC's username and password"
+    name = spec.auth_secret_ref.name
+    if secret is None:
+        return "SecretNotFound", f"Secret {name} not found"
+    data = secret.get("data") or {}
+    missing = [k for k in CREDENTIAL_KEYS if not data.get(k)]
+    if missing:
+        return "SecretMissingKeys", f"Secret {name} lacks {' and '.join(missing)}"
+    return None

@@ -1,0 +1,283 @@
+"""`reconcile(key) -> Result`: one VirtualMachineBMC, level-triggered and idempotent.
+
+It reads only the watch caches, computes the children with the pure functions of `desired`, applies a child
+(server-side apply, one field manager, force: a hand edit of a field we own is undone) only when the cached one
+differs in a field we set, and writes the status once, only when it changed. The caches may be stale: what this
+controller wrote itself is remembered until the cache has caught up, so a stale cache does not cause a second
+write, and anything else stale is corrected by the next reconcile that the watch event triggers.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from . import certificates, desired
+from .caches import BMCS, CHILD_KINDS, Caches
+from .events import EventRecorder
+from .informer import Key
+from .kubeapi import APPLY, MERGE_PATCH, ApiError, KubeApi
+from .settings import Settings
+from .spec import BMCSpec
+from .status import Observed, desired_status, status_patch, transitions
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Result:
+    requeue_after: float = 0.0
+
+
+def utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def difference(want: Any, have: Any, path: str = "") -> str | None:
+    """The first path where `have` lacks what `want` sets (None: `have` satisfies `want`). Fields the server or
+    others added are ignored: only what we set is compared."""
+    if isinstance(want, dict):
+        if not isinstance(have, dict):
+            return path or "."
+        for key, value in want.items():
+            found = difference(value, have.get(key), f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+        return None
+    if isinstance(want, list):
+        if not isinstance(have, list) or len(want) != len(have):
+            return path
+        for i, (w, h) in enumerate(zip(want, have, strict=True)):
+            found = difference(w, h, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return None if want == have else path
+
+
+# Maps whose keys we may stop setting (an annotation removed from spec.service.annotations): a key we own in
+# managedFields but no longer want means the child differs, which `difference` alone cannot see.
+_OWNED_MAPS = (("metadata", "labels"), ("metadata", "annotations"), ("spec", "template", "metadata", "annotations"))
+
+
+def stale_owned_keys(want: Obj, have: Obj, manager: str) -> str | None:
+    for entry in (have.get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") != manager or entry.get("operation") != "Apply":
+            continue
+        for map_path in _OWNED_MAPS:
+            fields: Any = entry.get("fieldsV1") or {}
+            wanted: Any = want
+            for part in map_path:
+                fields = (fields or {}).get(f"f:{part}") if isinstance(fields, dict) else None
+                wanted = (wanted or {}).get(part) if isinstance(wanted, dict) else None
+            for owned in fields or {}:
+                if owned.startswith("f:") and owned[2:] not in (wanted or {}):
+                    return ".".join(map_path) + "." + owned[2:] + " (no longer set)"
+    return None
+
+
+def _rv(obj: Obj | None) -> int:
+    text = str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
+    return int(text) if text.isdigit() else -1
+
+
+def _controller_uid(obj: Obj | None) -> str:
+    for ref in ((obj or {}).get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid") or "")
+    return ""
+
+
+def _decode(secret: Obj | None, key: str) -> bytes:
+    try:
+        return base64.b64decode(((secret or {}).get("data") or {}).get(key) or "")
+    except ValueError:
+        return b""
+
+
+class Reconciler:
+    def __init__(self, api: KubeApi, caches: Caches, settings: Settings, recorder: EventRecorder,
+                 clock: Callable[[], datetime.datetime] = utcnow) -> None:
+        self.api = api
+        self.caches = caches
+        self.settings = settings
+        self.recorder = recorder
+        self.clock = clock
+        # What this controller wrote, by (kind, ns, name), until the cache shows that resourceVersion or newer.
+        self._written: dict[tuple[str, str, str], Obj] = {}
+        self._lock = threading.Lock()
+
+    # ---- reading, with our own writes overlaid on a cache that may lag behind them
+
+    def _cached(self, kind: str, namespace: str, name: str) -> Obj | None:
+        informer = self.caches.bmcs if kind == "VirtualMachineBMC" else self.caches.children[kind]
+        cached = informer.get(namespace, name)
+        with self._lock:
+            written = self._written.get((kind, namespace, name))
+            if written is not None and cached is not None and _rv(cached) >= _rv(written):
+                del self._written[(kind, namespace, name)]
+                return cached
+        return written if written is not None and (cached is None or _rv(written) > _rv(cached)) else cached
+
+    def _remember(self, kind: str, obj: Obj) -> None:
+        meta = obj.get("metadata") or {}
+        with self._lock:
+            self._written[(kind, meta.get("namespace", ""), meta.get("name", ""))] = obj
+
+    # ---- the loop
+
+    def reconcile(self, key: Key) -> Result:
+        namespace, name = key
+        bmc = self._cached("VirtualMachineBMC", namespace, name)
+        if bmc is None or (bmc.get("metadata") or {}).get("deletionTimestamp"):
+            return Result()  # the children go with it: they carry its ownerReference
+        try:
+            spec = BMCSpec.of(bmc)
+        except ValidationError as exc:
+            log.warning("reconcile %s/%s: invalid spec: %s", namespace, name, exc)
+            return Result()
+        vm_name = spec.virtual_machine_ref.name
+        secret_name = spec.auth_secret_ref.name if spec.auth_secret_ref else ""
+        tls_ref = spec.redfish.tls.secret_ref.name if spec.redfish.tls.secret_ref else ""
+        if self.caches.vms.pending(namespace, vm_name) or any(
+                self.caches.secrets.pending(namespace, s) for s in (secret_name, tls_ref) if s):
+            return Result(requeue_after=0.1)  # just referenced: the cache does not know yet whether it exists
+
+        vm = self.caches.vms.get(namespace, vm_name)
+        secret = self.caches.secrets.get(namespace, secret_name) if secret_name else None
+        problem = desired.credentials_problem(spec, secret)
+        tls_problem = self._tls_problem(namespace, tls_ref) if tls_ref and spec.redfish.enabled else None
+        winner = self._serving(namespace, vm_name)
+        if winner != name:
+            return self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
+                                                    tls_problem=tls_problem, conflict_with=winner))
+
+        blocked = self._foreign_child(bmc, vm_name)
+        if blocked:
+            self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
+                                             tls_problem=tls_problem, blocked_by=blocked))
+            return Result(requeue_after=2.0)
+
+        self._apply(bmc, desired.desired_service_account(bmc, vm_name))
+        self._apply(bmc, desired.desired_role(bmc, vm_name, desired.cdrom_disks(vm)))
+        self._apply(bmc, desired.desired_role_binding(bmc, vm_name))
+        service = self._apply(bmc, desired.desired_service(bmc, vm_name))
+        cluster_ip = str((service.get("spec") or {}).get("clusterIP") or "")
+        deployment: Obj | None = None
+        if vm is not None and problem is None and tls_problem is None:
+            tls_secret = None
+            if spec.redfish.enabled:
+                tls_secret = (self.caches.secrets.get(namespace, tls_ref) if tls_ref
+                              else self._tls_secret(bmc, vm_name, cluster_ip))
+            assert secret is not None
+            deployment = self._apply(bmc, desired.desired_deployment(bmc, vm_name, self.settings, secret, tls_secret))
+        else:
+            self._remove_agent(bmc, vm_name, "the VirtualMachine is missing" if vm is None
+                               else (problem or tls_problem or ("", ""))[1])
+        return self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
+                                                tls_problem=tls_problem, cluster_ip=cluster_ip,
+                                                deployment=deployment))
+
+    # ---- decisions that read the caches
+
+    def _serving(self, namespace: str, vm: str) -> str:
+        """The VirtualMachineBMC that serves `vm`: the oldest one naming it (the newer ones get Conflict)."""
+        live = [b for b in self.caches.bmcs_for_vm(namespace, vm) if not b["metadata"].get("deletionTimestamp")]
+        if not live:
+            return ""
+        oldest = min(live, key=lambda b: (str(b["metadata"].get("creationTimestamp") or ""), b["metadata"]["name"]))
+        return str(oldest["metadata"]["name"])
+
+    def _foreign_child(self, bmc: Obj, vm: str) -> str:
+        """A message when a child's name is taken by an object another owner controls (e.g. a deleted
+        VirtualMachineBMC's children not yet garbage-collected)."""
+        namespace, uid = bmc["metadata"]["namespace"], bmc["metadata"]["uid"]
+        for kind in CHILD_KINDS:
+            name = desired.tls_secret_name(vm) if kind == "Secret" else desired.child_name(vm)
+            owner = _controller_uid(self._cached(kind, namespace, name))
+            if owner and owner != uid:
+                return f"{kind} {name} is controlled by another owner (uid {owner}); waiting for it to go"
+        return ""
+
+    def _tls_problem(self, namespace: str, name: str) -> tuple[str, str] | None:
+        secret = self.caches.secrets.get(namespace, name)
+        if secret is None:
+            return "TLSSecretNotFound", f"TLS Secret {name} (spec.redfish.tls.secretRef) not found"
+        if not _decode(secret, "tls.crt") or not _decode(secret, "tls.key"):
+            return "TLSSecretInvalid", f"TLS Secret {name} lacks tls.crt or tls.key"
+        return None
+
+    # ---- writes
+
+    def _apply(self, bmc: Obj, want: Obj) -> Obj:
+        kind, meta = want["kind"], want["metadata"]
+        have = self._cached(kind, meta["namespace"], meta["name"])
+        why = "created" if have is None else (difference(want, have)
+                                               or stale_owned_keys(want, have, self.settings.field_manager))
+        if why is None:
+            assert have is not None
+            return have
+        path = CHILD_KINDS[kind].path(meta["namespace"]) + "/" + meta["name"]
+        result = self.api.request("PATCH", path, want, content_type=APPLY,
+                                  query={"fieldManager": self.settings.field_manager, "force": "true"})
+        self._remember(kind, result)
+        if why == "created":
+            self.recorder.event(bmc, "Normal", "Created", f"created {kind} {meta['name']}")
+        elif desired.CREDENTIALS_CHECKSUM in why:
+            self.recorder.event(bmc, "Normal", "CredentialsChanged",
+                                f"the credentials Secret changed: restarting the agent ({kind} {meta['name']})")
+        else:
+            self.recorder.event(bmc, "Normal", "Updated", f"updated {kind} {meta['name']}: {why} differed")
+        return result
+
+    def _tls_secret(self, bmc: Obj, vm: str, cluster_ip: str) -> Obj:
+        namespace = bmc["metadata"]["namespace"]
+        names = certificates.service_names(desired.child_name(vm), namespace, cluster_ip)
+        have = self._cached("Secret", namespace, desired.tls_secret_name(vm))
+        now = self.clock()
+        if have is not None and certificates.reusable(_decode(have, "tls.crt"), names, now):
+            material = certificates.TLSMaterial(_decode(have, "tls.crt"), _decode(have, "tls.key"),
+                                                _decode(have, "ca.crt"))
+        else:
+            material = certificates.issue(names, now)
+        return self._apply(bmc, desired.desired_tls_secret(bmc, vm, material))
+
+    def _remove_agent(self, bmc: Obj, vm: str, why: str) -> None:
+        namespace, name = bmc["metadata"]["namespace"], desired.child_name(vm)
+        have = self.caches.children["Deployment"].get(namespace, name)
+        if have is None:
+            return
+        try:
+            self.api.request("DELETE", f"{CHILD_KINDS['Deployment'].path(namespace)}/{name}", {
+                "apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background",
+                "preconditions": {"uid": have["metadata"]["uid"]}})
+        except ApiError as exc:
+            if exc.status not in (404, 409):
+                raise
+            return
+        self.recorder.event(bmc, "Normal", "AgentRemoved", f"deleted Deployment {name}: {why}")
+
+    def _write_status(self, bmc: Obj, observed: Observed) -> Result:
+        meta = bmc["metadata"]
+        now = self.clock().strftime("%Y-%m-%dT%H:%M:%SZ")
+        want = desired_status(bmc, observed, now)
+        patch = status_patch(bmc.get("status"), want)
+        if patch is None:
+            return Result()
+        path = f"{BMCS.path(meta['namespace'])}/{meta['name']}/status"
+        result = self.api.request("PATCH", path, {"status": patch}, content_type=MERGE_PATCH)
+        self._remember("VirtualMachineBMC", result)
+        for cond in transitions(bmc.get("status"), want):
+            if cond["type"] == "Ready":  # its reason and message name the first thing that is not ready
+                ok = cond["status"] == "True"
+                self.recorder.event(bmc, "Normal" if ok else "Warning", cond["reason"], cond["message"])
+        return Result()
+

@@ -1,0 +1,51 @@
+"""The controller's settings: flags, with environment variables as defaults (as a Deployment sets them)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+FIELD_MANAGER = "kubevbmc-controller"
+
+
+@dataclass(frozen=True)
+class Settings:
+    agent_image: str = "kubevbmc:dev"
+    namespace: str = ""  # "" watches every namespace
+    workers: int = 4
+    resync_seconds: float = 300.0
+    field_manager: str = FIELD_MANAGER
+    metrics_address: str = "127.0.0.1:8080"
+    leader_elect: bool = True
+    lease_name: str = "kubevbmc-controller"
+    lease_namespace: str = "default"
+    lease_duration: int = 15
+    renew_deadline: int = 10
+    retry_period: int = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--kubeconfig", default=env("KUBECONFIG", ""), help="default: $KUBECONFIG, else in-cluster")
+    parser.add_argument("--agent-image", default=env("KUBEVBMC_AGENT_IMAGE", "kubevbmc:dev"),
+                        help="the image of the agent pods (default %(default)s)")
+    parser.add_argument("--namespace", default=env("KUBEVBMC_WATCH_NAMESPACE", ""),
+                        help="watch one namespace only (default: all)")
+    parser.add_argument("--workers", type=int, default=int(env("KUBEVBMC_WORKERS", "4")))
+    parser.add_argument("--resync", type=float, default=float(env("KUBEVBMC_RESYNC_SECONDS", "300")),
+                        metavar="SECONDS", help="reconcile every BMC at least this often (default %(default)s)")
+    parser.add_argument("--metrics-address", default=env("KUBEVBMC_METRICS_ADDRESS", "127.0.0.1:8080"),
+                        metavar="HOST:PORT", help="/metrics, /healthz and /readyz (port 0: a free one)")
+    parser.add_argument("--leader-elect", default=env("KUBEVBMC_LEADER_ELECT", "true"),
+                        choices=("true", "false"), help="hold a Lease before reconciling (default %(default)s)")
+    parser.add_argument("--lease-namespace", default=env("POD_NAMESPACE", "default"))
+    parser.add_argument("--lease-name", default="kubevbmc-controller")
+    parser.add_argument("--log-level", default=env("KUBEVBMC_LOG_LEVEL", "info"))
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings(agent_image=args.agent_image, namespace=args.namespace, workers=max(1, args.workers),
+                    resync_seconds=args.resync, metrics_address=args.metrics_address,
+                    leader_elect=args.leader_elect == "true", lease_name=args.lease_name,
+                    lease_namespace=args.lease_namespace)

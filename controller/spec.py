@@ -1,0 +1,49 @@
+"""The VirtualMachineBMC spec as the controller reads it (the CRD's schema fills the defaults on a real API
+server; these defaults repeat them for objects read from elsewhere)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GROUP, VERSION, KIND = "bmc.kubevirt.io", "v1beta1", "VirtualMachineBMC"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+
+class NameRef(_Model):
+    name: str
+
+
+class Ipmi(_Model):
+    enabled: bool = True
+
+
+class RedfishTLS(_Model):
+    secret_ref: NameRef | None = Field(default=None, alias="secretRef")
+
+
+class Redfish(_Model):
+    enabled: bool = True
+    tls: RedfishTLS = Field(default_factory=RedfishTLS)
+
+
+class ServiceOptions(_Model):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class BMCSpec(_Model):
+    virtual_machine_ref: NameRef = Field(alias="virtualMachineRef")
+    auth_secret_ref: NameRef | None = Field(default=None, alias="authSecretRef")
+    ipmi: Ipmi = Field(default_factory=Ipmi)
+    redfish: Redfish = Field(default_factory=Redfish)
+    service: ServiceOptions = Field(default_factory=ServiceOptions)
+
+    @classmethod
+    def of(cls, bmc: dict[str, Any]) -> BMCSpec:
+        return cls.model_validate(bmc.get("spec") or {})

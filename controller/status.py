@@ -1,0 +1,149 @@
+"""The status of a VirtualMachineBMC: conditions, clusterIP and endpoints, as a pure function of what the
+reconciler observed. `lastTransitionTime` moves only when a condition's status changes, so an unchanged world
+gives an identical status and no write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .spec import BMCSpec
+
+Obj = dict[str, Any]
+READY, VM_AVAILABLE, SECRET_AVAILABLE, AGENT_READY = "Ready", "VirtualMachineAvailable", "SecretAvailable", "AgentReady"
+CONDITION_ORDER = (READY, VM_AVAILABLE, SECRET_AVAILABLE, AGENT_READY)
+OWNED_KEYS = ("observedGeneration", "clusterIP", "endpoints", "conditions")  # bootOverride is the agent's
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: bool
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one reconcile saw, reduced to what the status says."""
+
+    vm_found: bool
+    credentials_problem: tuple[str, str] | None  # (reason, message) or None when usable
+    conflict_with: str = ""  # the older VirtualMachineBMC that serves this VM
+    tls_problem: tuple[str, str] | None = None
+    cluster_ip: str = ""
+    deployment: Obj | None = None
+    blocked_by: str = ""  # a child of that name exists and is controlled by someone else
+
+
+def agent_readiness(deployment: Obj | None) -> tuple[bool, str, str]:
+    """From the Deployment's status: ready when the current generation's pod is ready (not just a ClusterIP)."""
+    if deployment is None:
+        return False, "AgentNotDeployed", "the agent Deployment does not exist yet"
+    meta, status = deployment.get("metadata") or {}, deployment.get("status") or {}
+    generation = int(meta.get("generation") or 0)
+    if int(status.get("observedGeneration") or 0) < generation:
+        return False, "AgentProgressing", "the agent Deployment's new generation is not observed yet"
+    desired = int((deployment.get("spec") or {}).get("replicas", 1))
+    updated, ready = int(status.get("updatedReplicas") or 0), int(status.get("readyReplicas") or 0)
+    replicas = int(status.get("replicas") or 0)
+    if updated < desired or replicas > updated:
+        return False, "AgentProgressing", f"rolling out the agent ({updated}/{desired} updated)"
+    if ready < desired:
+        return False, "AgentNotReady", f"{ready}/{desired} agent pods ready"
+    return True, "AgentReady", f"{ready}/{desired} agent pods ready"
+
+
+def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]:
+    vm_cond = (Condition(VM_AVAILABLE, True, "VirtualMachineFound", f"VirtualMachine {vm} exists")
+               if observed.vm_found else
+               Condition(VM_AVAILABLE, False, "VirtualMachineNotFound", f"VirtualMachine {vm} not found"))
+    problem = observed.credentials_problem or observed.tls_problem
+    secret_cond = (Condition(SECRET_AVAILABLE, False, *problem) if problem else
+                   Condition(SECRET_AVAILABLE, True, "SecretFound",
+                             f"Secret {spec.auth_secret_ref.name if spec.auth_secret_ref else ''} has username "
+                             "and password"))
+    if observed.conflict_with:
+        message = (f"VirtualMachine {vm} is already served by the older VirtualMachineBMC {observed.conflict_with}; "
+                   "this one has no agent")
+        agent = Condition(AGENT_READY, False, "Conflict", message)
+        ready = Condition(READY, False, "Conflict", message)
+        return [ready, vm_cond, secret_cond, agent]
+    if observed.blocked_by:
+        agent = Condition(AGENT_READY, False, "ChildConflict", observed.blocked_by)
+    elif not observed.vm_found or problem:
+        agent = Condition(AGENT_READY, False, "AgentNotDeployed", "no agent until the VirtualMachine and the "
+                          "Secret are available")
+    else:
+        agent = Condition(AGENT_READY, *agent_readiness(observed.deployment))
+    if not observed.vm_found:
+        ready = Condition(READY, False, vm_cond.reason, vm_cond.message)
+    elif problem:
+        ready = Condition(READY, False, secret_cond.reason, secret_cond.message)
+    elif not agent.status:
+        ready = Condition(READY, False, agent.reason, agent.message)
+    elif not observed.cluster_ip:
+        ready = Condition(READY, False, "ServicePending", "the Service has no ClusterIP yet")
+    else:
+        ready = Condition(READY, True, "Ready", "the BMC answers on " + observed.cluster_ip)
+    return [ready, vm_cond, secret_cond, agent]
+
+
+def endpoints(spec: BMCSpec, cluster_ip: str, vm: str) -> Obj:
+    if not cluster_ip or cluster_ip == "None":
+        return {}
+    out: Obj = {}
+    if spec.ipmi.enabled:
+        out["ipmi"] = f"{cluster_ip}:623"
+        out["metal3IPMI"] = f"ipmi://{cluster_ip}:623"
+    if spec.redfish.enabled:
+        out["redfish"] = f"https://{cluster_ip}/redfish/v1/Systems/{vm}"
+        out["metal3Redfish"] = f"redfish-virtualmedia+https://{cluster_ip}/redfish/v1/Systems/{vm}"
+    return out
+
+
+def desired_status(bmc: Obj, observed: Observed, now: str) -> Obj:
+    """The fields of `status` the controller owns (never bootOverride)."""
+    spec = BMCSpec.of(bmc)
+    vm = spec.virtual_machine_ref.name
+    generation = int(bmc["metadata"].get("generation") or 0)
+    previous = {c.get("type"): c for c in ((bmc.get("status") or {}).get("conditions") or [])}
+    conditions = []
+    for cond in conditions_of(spec, observed, vm):
+        status = "True" if cond.status else "False"
+        before = previous.get(cond.type) or {}
+        since = before.get("lastTransitionTime") if before.get("status") == status else None
+        conditions.append({"type": cond.type, "status": status, "reason": cond.reason, "message": cond.message,
+                           "observedGeneration": generation, "lastTransitionTime": since or now})
+    out: Obj = {"observedGeneration": generation, "conditions": conditions}
+    if observed.cluster_ip and not observed.conflict_with:
+        out["clusterIP"] = observed.cluster_ip
+        out["endpoints"] = endpoints(spec, observed.cluster_ip, vm)
+    return out
+
+
+def status_patch(current: Obj | None, desired: Obj) -> Obj | None:
+    """A merge patch taking the owned part of `current` to `desired` (None when equal); other keys untouched."""
+    current = current or {}
+    patch: Obj = {}
+    for key in OWNED_KEYS:
+        if key not in desired:
+            if current.get(key) is not None:
+                patch[key] = None
+        elif key == "endpoints":
+            old = current.get(key) or {}
+            diff = {k: v for k, v in desired[key].items() if old.get(k) != v}
+            diff.update({k: None for k in old if k not in desired[key]})
+            if diff or key not in current:
+                patch[key] = diff if key in current else desired[key]
+        elif current.get(key) != desired[key]:
+            patch[key] = desired[key]
+    return patch or None
+
+
+def transitions(current: Obj | None, desired: Obj) -> list[Obj]:
+    """Conditions whose status or reason changed (each worth an Event)."""
+    before = {c.get("type"): c for c in ((current or {}).get("conditions") or [])}
+    return [c for c in desired.get("conditions") or []
+            if (before.get(c["type"]) or {}).get("status") != c["status"]
+            or (before.get(c["type"]) or {}).get("reason") != c["reason"]]

@@ -1,0 +1,63 @@
+"""The controller as users run it: a process against kubesim, driving real agents reached through Services."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+
+from .agents import PASSWORD, USER
+from .conftest import Sim, wait_for
+from .controllers import ControllerProcess, apply_bmc, get_bmc, ipmitool, is_ready, make_secret
+from .vms import get_vm, make_vm
+
+
+@pytest.fixture(scope="session")
+def controller(sim: Sim, bmc_crd: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
+    proc = ControllerProcess(sim.kubeconfig, tmp_path_factory.mktemp("controller") / "controller.log")
+    yield proc
+    proc.stop()
+
+
+def test_ipmitool_and_redfish_through_the_service_of_a_ready_bmc(api: client.ApiClient, namespace: str,
+                                                                 controller: ControllerProcess) -> None:
+    make_vm(api, namespace)
+    make_secret(api, namespace)
+    apply_bmc(api, namespace)
+    wait_for(lambda: is_ready(api, namespace), timeout=40, what="the BMC to be Ready")
+    status = get_bmc(api, namespace)["status"]
+    ip = status["clusterIP"]
+    assert status["endpoints"] == {
+        "ipmi": f"{ip}:623", "metal3IPMI": f"ipmi://{ip}:623", "redfish": f"https://{ip}/redfish/v1/Systems/vm",
+        "metal3Redfish": f"redfish-virtualmedia+https://{ip}/redfish/v1/Systems/vm"}
+
+    on = ipmitool(ip, "power", "on")
+    assert on.returncode == 0, on.stderr
+    wait_for(lambda: get_vm(api, namespace).get("status", {}).get("printableStatus") == "Running", timeout=20,
+             what="the VM to run")
+
+    # curl -k: the generated certificate is self-signed; a session login, then the system with the token.
+    insecure = ssl.create_default_context()
+    insecure.check_hostname = False
+    insecure.verify_mode = ssl.CERT_NONE
+    login = urllib.request.Request(f"https://{ip}/redfish/v1/SessionService/Sessions", method="POST",
+                                   data=json.dumps({"UserName": USER, "Password": PASSWORD}).encode(),
+                                   headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(login, context=insecure, timeout=10) as resp:
+        assert resp.status == 201
+        token = resp.headers["X-Auth-Token"]
+    system = urllib.request.Request(status["endpoints"]["redfish"], headers={"X-Auth-Token": token})
+    with urllib.request.urlopen(system, context=insecure, timeout=10) as resp:
+        assert json.loads(resp.read())["PowerState"] == "On"
+    # The serving certificate names the Service (its DNS names and ClusterIP).
+    pem = ssl.get_server_certificate((ip, 443))
+    from cryptography import x509
+
+    san = x509.load_pem_x509_certificate(pem.encode()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert f"vm-virtbmc.{namespace}.svc" in san.get_values_for_type(x509.DNSName)
+    assert ip in [str(a) for a in san.get_values_for_type(x509.IPAddress)]

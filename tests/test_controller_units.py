@@ -1,0 +1,193 @@
+"""The controller's pure parts, without a cluster: desired children, status, comparison, queue, certificates."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import time
+from typing import Any
+
+import pytest
+
+from controller import certificates, desired
+from controller.reconciler import difference, stale_owned_keys
+from controller.settings import Settings
+from controller.status import Observed, agent_readiness, desired_status, status_patch
+from controller.workqueue import WorkQueue
+
+NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+
+
+def bmc(**spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "b", "namespace": "ns", "uid": "u1", "generation": 3},
+            "spec": {"virtualMachineRef": {"name": "vm"}, "authSecretRef": {"name": "auth"}, **spec}}
+
+
+def secret(**data: str) -> dict[str, Any]:
+    return {"metadata": {"name": "auth"}, "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+
+
+def test_every_child_is_named_from_the_vm_labelled_and_controlled_by_the_bmc() -> None:
+    b = bmc()
+    tls = desired.desired_tls_secret(b, "vm", certificates.TLSMaterial(b"c", b"k", b"a"))
+    creds = secret(username="u", password="p")
+    for child in (desired.desired_service_account(b, "vm"), desired.desired_role(b, "vm", ["cdrom"]),
+                  desired.desired_role_binding(b, "vm"), desired.desired_service(b, "vm"),
+                  desired.desired_deployment(b, "vm", Settings(), creds, tls)):
+        meta = child["metadata"]
+        assert meta["name"] == "vm-virtbmc" and meta["namespace"] == "ns"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "kubevbmc"
+        assert meta["labels"]["bmc.kubevirt.io/vmbmc"] == "b"
+        assert meta["ownerReferences"] == [{"apiVersion": "bmc.kubevirt.io/v1beta1", "kind": "VirtualMachineBMC",
+                                            "name": "b", "uid": "u1", "controller": True,
+                                            "blockOwnerDeletion": True}]
+
+
+def test_the_role_names_only_this_vm_its_vmi_datavolumes_and_bmc() -> None:
+    rules = desired.desired_role(bmc(), "vm", ["cdrom"])["rules"]
+    named = [r for r in rules if "resourceNames" in r]
+    assert {n for r in named for n in r["resourceNames"]} == {"vm", "b", "vm-cdrom"}
+    unnamed = [(tuple(r["resources"]), tuple(r["verbs"])) for r in rules if "resourceNames" not in r]
+    # create cannot be restricted by name in RBAC; nothing else is namespace-wide
+    assert all(verbs == ("create",) for _, verbs in unnamed)
+
+
+@pytest.mark.parametrize(("spec", "ports"), [
+    ({}, [("ipmi", 623, "UDP"), ("http", 80, "TCP"), ("https", 443, "TCP")]),
+    ({"redfish": {"enabled": False}}, [("ipmi", 623, "UDP")]),
+    ({"ipmi": {"enabled": False}}, [("http", 80, "TCP"), ("https", 443, "TCP")]),
+])
+def test_service_ports_follow_the_enabled_protocols(spec: dict[str, Any], ports: list[tuple[str, int, str]]) -> None:
+    svc = desired.desired_service(bmc(**spec), "vm")
+    assert [(p["name"], p["port"], p["protocol"]) for p in svc["spec"]["ports"]] == ports
+
+
+def test_service_type_and_annotations_come_from_the_spec() -> None:
+    svc = desired.desired_service(bmc(service={"type": "LoadBalancer", "annotations": {"a": "1"}}), "vm")
+    assert svc["spec"]["type"] == "LoadBalancer" and svc["metadata"]["annotations"] == {"a": "1"}
+
+
+def test_the_agent_deployment_is_locked_down_and_rolls_on_credential_changes() -> None:
+    tls = desired.desired_tls_secret(bmc(), "vm", certificates.TLSMaterial(b"c", b"k", b"a"))
+    one = desired.desired_deployment(bmc(), "vm", Settings(agent_image="img:1"), secret(username="u", password="p"),
+                                     tls)
+    two = desired.desired_deployment(bmc(), "vm", Settings(agent_image="img:1"), secret(username="u", password="q"),
+                                     tls)
+    spec = one["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "img:1" and "$(POD_IP):10623" in c["args"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {
+        "drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"]
+    assert {(p["containerPort"], p["protocol"]) for p in c["ports"]} == {(10623, "UDP"), (10080, "TCP"),
+                                                                          (10443, "TCP")}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["resources"]["requests"]
+    key = desired.CREDENTIALS_CHECKSUM
+    assert spec["template"]["metadata"]["annotations"][key] != two["spec"]["template"]["metadata"]["annotations"][key]
+
+
+@pytest.mark.parametrize(("bmc_spec", "sec", "problem"), [
+    ({}, secret(username="u", password="p"), None),
+    ({}, None, "SecretNotFound"),
+    ({}, secret(username="u"), "SecretMissingKeys"),
+    ({"authSecretRef": None}, None, "SecretNotSpecified"),
+])
+def test_credentials_problems(bmc_spec: dict[str, Any], sec: Any, problem: str | None) -> None:
+    from controller.spec import BMCSpec
+
+    got = desired.credentials_problem(BMCSpec.of(bmc(**bmc_spec)), sec)
+    assert (got[0] if got else None) == problem
+
+
+def ready_deployment(**status: int) -> dict[str, Any]:
+    return {"metadata": {"generation": 2}, "spec": {"replicas": 1}, "status": {
+        "observedGeneration": 2, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, **status}}
+
+
+@pytest.mark.parametrize(("observed", "ready", "why"), [
+    (Observed(True, None, cluster_ip="10.0.0.1", deployment=ready_deployment()), "True", "Ready"),
+    (Observed(False, None, cluster_ip="10.0.0.1"), "False", "VirtualMachineNotFound"),
+    (Observed(True, ("SecretNotFound", "x"), cluster_ip="10.0.0.1"), "False", "SecretNotFound"),
+    (Observed(True, None, cluster_ip="10.0.0.1", conflict_with="a"), "False", "Conflict"),
+    (Observed(True, None, cluster_ip="10.0.0.1", deployment=ready_deployment(readyReplicas=0)), "False",
+     "AgentNotReady"),
+    (Observed(True, None, cluster_ip="10.0.0.1", deployment=ready_deployment(observedGeneration=1)), "False",
+     "AgentProgressing"),
+    (Observed(True, None, cluster_ip="10.0.0.1"), "False", "AgentNotDeployed"),
+])
+def test_ready_condition(observed: Observed, ready: str, why: str) -> None:
+    status = desired_status(bmc(), observed, "2026-01-01T00:00:00Z")
+    cond = status["conditions"][0]
+    assert (cond["type"], cond["status"], cond["reason"]) == ("Ready", ready, why)
+    assert status["observedGeneration"] == 3
+
+
+def test_a_cluster_ip_alone_is_not_ready() -> None:
+    assert agent_readiness(None)[0] is False
+
+
+def test_unchanged_status_needs_no_write_and_keeps_transition_times() -> None:
+    obs = Observed(True, None, cluster_ip="10.0.0.1", deployment=ready_deployment())
+    first = desired_status(bmc(), obs, "2026-01-01T00:00:00Z")
+    again = desired_status({**bmc(), "status": {**first, "bootOverride": {"target": "Pxe"}}}, obs,
+                           "2026-01-02T00:00:00Z")
+    assert status_patch({**first, "bootOverride": {"target": "Pxe"}}, again) is None
+
+
+def test_status_patch_never_touches_boot_override_and_nulls_what_is_gone() -> None:
+    current = {"clusterIP": "1.2.3.4", "endpoints": {"ipmi": "x", "redfish": "y"}, "bootOverride": {"x": 1}}
+    want = {"observedGeneration": 1, "conditions": [], "clusterIP": "1.2.3.4", "endpoints": {"ipmi": "x"}}
+    assert status_patch(current, want) == {"observedGeneration": 1, "conditions": [], "endpoints": {"redfish": None}}
+
+
+@pytest.mark.parametrize(("want", "have", "diff"), [
+    ({"a": 1}, {"a": 1, "b": 2}, None),  # server-defaulted fields are not ours
+    ({"a": [{"x": 1}]}, {"a": [{"x": 1, "y": 2}]}, None),
+    ({"a": [{"x": 1}]}, {"a": [{"x": 2}]}, "a[0].x"),
+    ({"a": [1]}, {"a": [1, 2]}, "a"),
+    ({"a": {"b": 1}}, {}, "a"),
+])
+def test_difference_compares_only_what_we_set(want: Any, have: Any, diff: str | None) -> None:
+    assert difference(want, have) == diff
+
+
+def test_an_annotation_we_no_longer_set_is_a_difference() -> None:
+    have = {"metadata": {"annotations": {"a": "1", "b": "2"}, "managedFields": [{
+        "manager": "m", "operation": "Apply", "fieldsV1": {"f:metadata": {"f:annotations": {"f:a": {}, "f:b": {}}}}}]}}
+    assert stale_owned_keys({"metadata": {"annotations": {"a": "1"}}}, have, "m") == "metadata.annotations.b " \
+        "(no longer set)"
+    assert stale_owned_keys({"metadata": {"annotations": {"a": "1", "b": "2"}}}, have, "m") is None
+
+
+def test_certificates_are_reused_until_names_change_or_expiry_nears() -> None:
+    names = certificates.service_names("vm-virtbmc", "ns", "10.0.0.1")
+    assert "vm-virtbmc.ns.svc.cluster.local" in names and "10.0.0.1" in names
+    tls = certificates.issue(names, NOW)
+    assert certificates.reusable(tls.cert_pem, names, NOW)
+    assert not certificates.reusable(tls.cert_pem, certificates.service_names("vm-virtbmc", "ns", "10.0.0.2"), NOW)
+    assert not certificates.reusable(tls.cert_pem, names, NOW + datetime.timedelta(days=340))
+    assert not certificates.reusable(b"garbage", names, NOW)
+
+
+def test_work_queue_deduplicates_and_never_hands_a_key_to_two_workers() -> None:
+    q = WorkQueue()
+    q.add("k")
+    q.add("k")
+    assert len(q) == 1
+    assert q.get(0.1) == "k"
+    q.add("k")  # while processing: queued again only when done
+    assert q.get(0.05) is None
+    q.done("k")
+    assert q.get(0.1) == "k"
+
+
+def test_work_queue_backs_off_per_key_exponentially_up_to_a_cap() -> None:
+    q = WorkQueue(base_delay=0.01, max_delay=0.04)
+    assert [q.add_rate_limited("k") for _ in range(4)] == [0.01, 0.02, 0.04, 0.04]
+    q.forget("k")
+    assert q.add_rate_limited("k") == 0.01
+    began = time.monotonic()
+    assert q.get(1.0) == "k" and time.monotonic() - began < 0.5
