@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--import-delay", type=float, default=1.0, metavar="SECONDS")
     parser.add_argument("--history", type=int, default=20000, metavar="EVENTS",
                         help="watch events kept for resumption; older resourceVersions get 410 Gone")
+    parser.add_argument("--pod-cidr", default="127.1.0.0/16", help="Pod IPs (default %(default)s)")
+    parser.add_argument("--service-cidr", default="127.2.0.0/16", help="Service ClusterIPs (default %(default)s)")
+    parser.add_argument("--load-balancer-cidr", default="127.3.0.0/16",
+                        help="LoadBalancer ingress IPs (default %(default)s)")
     parser.add_argument("--bookmark-interval", type=float, default=5.0, metavar="SECONDS",
                         help="how often an idle watch that allows bookmarks gets one")
     parser.add_argument("--log-dir", default="", help="where agent pods write their logs")
@@ -40,6 +44,8 @@ def config_from(args: Any) -> SimConfig:
                      kubelet_mode=args.kubelet, vm_start_delay=args.vm_start_delay,
                      vm_stop_delay=args.vm_stop_delay, import_delay=args.import_delay,
                      history_size=args.history, log_dir=args.log_dir, bookmark_interval=args.bookmark_interval,
+                     pod_cidr=args.pod_cidr, service_cidr=args.service_cidr,
+                     load_balancer_cidr=args.load_balancer_cidr,
                      local_entrypoint=[sys.executable, "-m", "vbmc"])
 
 

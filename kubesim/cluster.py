@@ -46,8 +46,10 @@ class SimConfig:
     local_image: str = r"(^|/)kubevbmc(:[^/]*)?(@.*)?$"
     # The command that stands for the image's entrypoint (`kubevbmc`), e.g. [sys.executable, "-m", "vbmc"].
     local_entrypoint: list[str] = field(default_factory=list)
+    # Address ranges on loopback; two simulators running at once need ranges of their own.
     pod_cidr: str = "127.1.0.0/16"
     service_cidr: str = "127.2.0.0/16"
+    load_balancer_cidr: str = "127.3.0.0/16"
     node_port_host: str = "127.0.0.1"
     log_dir: str = ""
 

@@ -170,7 +170,7 @@ def network_of(cluster: Any) -> Network:
     net = _NETWORKS.get(cluster.store)
     if net is None:
         net = Network(IPAllocator(cluster.config.pod_cidr), IPAllocator(cluster.config.service_cidr),
-                      IPAllocator(LB_CIDR))
+                      IPAllocator(getattr(cluster.config, "load_balancer_cidr", LB_CIDR)))
         _NETWORKS[cluster.store] = net
     return net
 

@@ -4,6 +4,7 @@ client), a fresh namespace per test, and `wait_for` to wait on a condition with 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -58,9 +59,22 @@ class Sim:
             return self.process.wait()
 
 
-def start_sim(workdir: Path, *flags: str, timeout: float = 15.0) -> Sim:
+_ranges = itertools.count(0)
+
+
+def address_ranges() -> list[str]:
+    """Loopback ranges of its own for one more simulator (the session's uses the defaults, 127.1-3.0.0/16), so
+    that no two running simulators bind the same ClusterIP."""
+    base = 10 + 3 * (next(_ranges) % 80)
+    return ["--pod-cidr", f"127.{base}.0.0/16", "--service-cidr", f"127.{base + 1}.0.0/16",
+            "--load-balancer-cidr", f"127.{base + 2}.0.0/16"]
+
+
+def start_sim(workdir: Path, *flags: str, timeout: float = 15.0, own_ranges: bool = True) -> Sim:
     """Start `kubevbmc sim` on a free port and wait for its `ready` line."""
     workdir.mkdir(parents=True, exist_ok=True)
+    if own_ranges:
+        flags = (*address_ranges(), *flags)
     kubeconfig = str(workdir / "kubeconfig")
     log = workdir / "sim.log"
     proc = subprocess.Popen(
@@ -87,7 +101,7 @@ def start_sim(workdir: Path, *flags: str, timeout: float = 15.0) -> Sim:
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     s = start_sim(tmp_path_factory.mktemp("kubesim"), "--vm-start-delay", "0.3", "--vm-stop-delay", "0.5",
-                  "--import-delay", "0.3", "--bookmark-interval", "0.5")
+                  "--import-delay", "0.3", "--bookmark-interval", "0.5", own_ranges=False)
     yield s
     s.stop()
 

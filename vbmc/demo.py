@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="kubesim's API address")
     parser.add_argument("--workdir", default="", help="where the kubeconfig and logs go (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for the BMCs to be Ready")
+    parser.add_argument("--pod-cidr", default="127.1.0.0/16")
+    parser.add_argument("--service-cidr", default="127.2.0.0/16", help="where the BMCs' addresses come from")
+    parser.add_argument("--load-balancer-cidr", default="127.3.0.0/16")
 
 
 def _vm(name: str) -> dict[str, Any]:
@@ -73,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     sim_args = argparse.Namespace(listen=args.listen, kubeconfig=str(workdir / "kubeconfig"), kubelet="process",
                                   vm_start_delay=1.0, vm_stop_delay=2.0, import_delay=1.0, history=20000,
-                                  log_dir=str(workdir / "pods"), bookmark_interval=5.0)
+                                  log_dir=str(workdir / "pods"), bookmark_interval=5.0, pod_cidr=args.pod_cidr,
+                                  service_cidr=args.service_cidr, load_balancer_cidr=args.load_balancer_cidr)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -88,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         _wait(lambda: _served(api), 10, "the VirtualMachineBMC CRD to be served")
         log = open(workdir / "controller.log", "wb")  # noqa: SIM115 (lives as long as the controller)
         controller = subprocess.Popen(
-            [sys.executable, "-m", "vbmc", "controller", "--kubeconfig", cluster.kubeconfig, "--image", IMAGE],
+            [sys.executable, "-m", "vbmc", "controller", "--kubeconfig", cluster.kubeconfig, "--agent-image", IMAGE,
+             "--metrics-address", "127.0.0.1:0"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": cluster.kubeconfig})
         ns = args.namespace
         if ns != "default":

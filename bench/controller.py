@@ -1,0 +1,149 @@
+"""The controller at scale on kubesim: N VirtualMachineBMCs Ready, API writes in a steady cluster, memory.
+
+kubesim runs with its kubelet in fake mode (pods become Running and Ready without processes, as kwok does), so
+the figures are the controller's and the API server's, not the agents'. The peer here is the target itself
+(1,000 Ready within 30 s, 0 writes in steady state, under 150 MB), printed next to what was measured.
+
+Writes are counted by kubesim's global resourceVersion, which moves once per write of anybody: it counts every
+write in the cluster. Leader election renews its Lease every 2 s by design; the steady-state window is measured
+with leader election off, and the controller's own counter (kubevbmc_controller_api_writes_total) is shown too.
+Usage: python bench/controller.py [--bmcs N] [--steady SECONDS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import yaml  # noqa: E402
+
+from tests.conftest import BMC_CRD, Sim, start_sim, wait_for  # noqa: E402
+from vbmc.kube import KubeClient, load_credentials  # noqa: E402
+
+NS = "bench"
+
+
+def create_many(api: KubeClient, count: int) -> None:
+    for i in range(count):
+        name = f"vm-{i:04d}"
+        api.request("POST", f"/apis/kubevirt.io/v1/namespaces/{NS}/virtualmachines", {
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": name},
+            "spec": {"runStrategy": "Halted", "template": {"spec": {"domain": {"devices": {
+                "disks": [{"name": "root", "disk": {}}, {"name": "cdrom", "cdrom": {}}]}}}}}})
+        api.request("POST", f"/api/v1/namespaces/{NS}/secrets", {
+            "metadata": {"name": f"{name}-auth"}, "stringData": {"username": "admin", "password": "password"}})
+
+
+def create_bmcs(api: KubeClient, count: int) -> None:
+    for i in range(count):
+        name = f"vm-{i:04d}"
+        api.request("POST", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{NS}/virtualmachinebmcs", {
+            "apiVersion": "bmc.kubevirt.io/v1beta1", "kind": "VirtualMachineBMC", "metadata": {"name": name},
+            "spec": {"virtualMachineRef": {"name": name}, "authSecretRef": {"name": f"{name}-auth"}}})
+
+
+def ready_count(api: KubeClient) -> int:
+    items = api.request("GET", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{NS}/virtualmachinebmcs")["items"]
+    return sum(1 for b in items if any(c.get("type") == "Ready" and c.get("status") == "True"
+                                       for c in (b.get("status") or {}).get("conditions") or []))
+
+
+def cluster_rv(api: KubeClient) -> int:
+    return int(api.request("GET", "/api/v1/namespaces")["metadata"]["resourceVersion"])
+
+
+def memory(pid: int) -> tuple[float, float]:
+    rss = pss = 0.0
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Rss:"):
+            rss = int(line.split()[1]) / 1024
+        elif line.startswith("Pss:"):
+            pss = int(line.split()[1]) / 1024
+    return rss, pss
+
+
+def controller_writes(metrics_url: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return sum(float(m) for m in re.findall(r"^kubevbmc_controller_api_writes_total\{[^}]*\} ([\d.e+]+)$", text,
+                                            re.MULTILINE))
+
+
+def start_controller(sim: Sim, workdir: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vbmc", "controller", "--kubeconfig", sim.kubeconfig, "--agent-image", "kubevbmc:dev",
+         "--metrics-address", "127.0.0.1:0", "--leader-elect", "false", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=open(workdir / "controller.log", "w"), text=True, cwd=REPO)  # noqa: SIM115
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    match = re.search(r"metrics: (\S+)", line)
+    if not match:
+        raise SystemExit(f"the controller did not start: {line!r}")
+    return proc, match.group(1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bmcs", type=int, default=1000, help="VirtualMachineBMCs (default %(default)s)")
+    parser.add_argument("--steady", type=float, default=60, help="seconds of steady state (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=180, help="give up waiting for Ready after this")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-controller-"))
+    sim = start_sim(workdir / "sim", "--kubelet", "fake")
+    controller: subprocess.Popen[Any] | None = None
+    try:
+        api = KubeClient(load_credentials(sim.kubeconfig), timeout=30)
+        api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+                    yaml.safe_load(BMC_CRD.read_text()))
+        wait_for(lambda: api.request("GET", "/apis/bmc.kubevirt.io/v1beta1"), what="the CRD")
+        api.request("POST", "/api/v1/namespaces", {"metadata": {"name": NS}})
+        began = time.monotonic()
+        create_many(api, args.bmcs)
+        print(f"created {args.bmcs} VMs and Secrets in {time.monotonic() - began:.1f} s")
+        controller, metrics_url = start_controller(sim, workdir)
+        began = time.monotonic()
+        create_bmcs(api, args.bmcs)
+        created = time.monotonic() - began
+        ready = 0
+        while time.monotonic() - began < args.timeout:
+            ready = ready_count(api)
+            if ready == args.bmcs:
+                break
+            time.sleep(0.5)
+        all_ready = time.monotonic() - began
+        time.sleep(5)  # let the last status writes and watch events settle
+        rv0, writes0 = cluster_rv(api), controller_writes(metrics_url)
+        time.sleep(args.steady)
+        rv1, writes1 = cluster_rv(api), controller_writes(metrics_url)
+        rss, pss = memory(controller.pid)
+    finally:
+        if controller is not None:
+            controller.terminate()
+            controller.wait(timeout=15)
+        sim.stop()
+
+    print(f"{'':44}{'measured':>12}{'target':>12}")
+    print(f"{'VirtualMachineBMCs created (s)':44}{created:>12.1f}")
+    print(f"{'all Ready, from the first create (s)':44}{all_ready:>12.1f}{'<= 30':>12}"
+          f"   ({ready}/{args.bmcs} Ready)")
+    print(f"{f'API writes in {args.steady:.0f} s of steady state, cluster-wide':44}{rv1 - rv0:>12}{'0':>12}")
+    print(f"{'  of which by the controller (its counter)':44}{writes1 - writes0:>12.0f}{'0':>12}")
+    print(f"{'controller RSS (MB)':44}{rss:>12.1f}{'< 150':>12}")
+    print(f"{'controller PSS (MB)':44}{pss:>12.1f}")
+    met = ready == args.bmcs and all_ready <= 30 and rv1 == rv0 and rss < 150
+    print(f"targets: {'met' if met else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
