@@ -46,6 +46,8 @@ class Sim:
     kubeconfig: str
     url: str
     log: Path
+    pod_cidr: str = "127.1.0.0/16"
+    service_cidr: str = "127.2.0.0/16"
 
     def api(self) -> client.ApiClient:
         return config.new_client_from_config(config_file=self.kubeconfig)
@@ -93,7 +95,9 @@ def start_sim(workdir: Path, *flags: str, timeout: float = 15.0, own_ranges: boo
         if line.startswith("server: "):
             url = line.split(" ", 1)[1].strip()
         if line.strip() == "ready":
-            return Sim(proc, kubeconfig, url, log)
+            given = dict(zip(flags[::2], flags[1::2], strict=False))
+            return Sim(proc, kubeconfig, url, log, given.get("--pod-cidr", "127.1.0.0/16"),
+                       given.get("--service-cidr", "127.2.0.0/16"))
     proc.kill()
     raise AssertionError("kubesim did not print ready in time")
 

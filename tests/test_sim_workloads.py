@@ -317,7 +317,7 @@ def test_fake_kubelet_marks_pods_ready_without_processes(tmp_path: Path) -> None
         pods = wait_for(lambda: [p for p in pods_of(core, "default", "web") if is_ready(p)] if len(
             [p for p in pods_of(core, "default", "web") if is_ready(p)]) == 3 else None, what="three Ready pods")
 
-        assert all(p.status.phase == "Running" and in_cidr(p.status.pod_ip, "127.1.0.0/16") for p in pods)
+        assert all(p.status.phase == "Running" and in_cidr(p.status.pod_ip, fake.pod_cidr) for p in pods)
         assert len({p.status.pod_ip for p in pods}) == 3
         assert not list((tmp_path / "fake" / "pods").glob("*.log"))
     finally:
