@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 
@@ -61,3 +62,61 @@ def test_ipmitool_and_redfish_through_the_service_of_a_ready_bmc(api: client.Api
         x509.SubjectAlternativeName).value
     assert f"vm-virtbmc.{namespace}.svc" in san.get_values_for_type(x509.DNSName)
     assert ip in [str(a) for a in san.get_values_for_type(x509.IPAddress)]
+
+
+KUBEVIRTBMC_SAMPLE = """\
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata:
+  name: sample-vm
+spec:
+  runStrategy: Halted
+  template:
+    spec:
+      domain:
+        devices:
+          disks:
+          - name: containerdisk
+            disk: {bus: virtio}
+        resources:
+          requests: {memory: 1Gi}
+      volumes:
+      - name: containerdisk
+        containerDisk: {image: quay.io/kubevirt/cirros-container-disk-demo}
+---
+apiVersion: v1
+kind: Secret
+metadata:
+  name: sample-vm-bmc-auth
+type: Opaque
+data:
+  username: YWRtaW4=
+  password: cGFzc3dvcmQ=
+---
+apiVersion: bmc.kubevirt.io/v1beta1
+kind: VirtualMachineBMC
+metadata:
+  name: sample-vm
+spec:
+  virtualMachineRef:
+    name: sample-vm
+  authSecretRef:
+    name: sample-vm-bmc-auth
+"""
+
+
+def test_a_kubevirtbmc_manifest_applies_unchanged_with_kubectl_and_becomes_ready(
+        sim: Sim, api: client.ApiClient, namespace: str, controller: ControllerProcess) -> None:
+    from .test_sim_kubectl import kubectl
+
+    applied = kubectl(sim, "apply", "-n", namespace, "-f", "-", stdin=KUBEVIRTBMC_SAMPLE)
+    assert applied.returncode == 0, applied.stderr
+    wait_for(lambda: is_ready(api, namespace, "sample-vm"), timeout=30, what="the sample BMC to be Ready")
+    listed = kubectl(sim, "get", "vmbmc", "-n", namespace)
+    header, row = listed.stdout.splitlines()[:2]
+    assert header.split() == ["NAME", "VM", "IPMI", "REDFISH", "READY", "AGE"]
+    assert row.split()[:2] == ["sample-vm", "sample-vm"] and row.split()[4] == "True"
+    host = get_bmc(api, namespace, "sample-vm")["status"]["clusterIP"]
+    status = subprocess.run(["ipmitool", "-I", "lanplus", "-H", host, "-U", "admin", "-P", "password", "power",
+                             "status"], capture_output=True, text=True, timeout=30)
+    assert "Chassis Power is off" in status.stdout, status.stderr
