@@ -35,7 +35,8 @@ class Manager:
         self.api = KubeApi(api_client, on_write=lambda verb, _path: metrics.api_writes.labels(verb).inc())
         self.queue = WorkQueue()
         self.caches = Caches(self.api, settings.namespace, self.queue.add)
-        self.reconciler = Reconciler(self.api, self.caches, settings, EventRecorder(self.api))
+        self.recorder = EventRecorder(self.api)
+        self.reconciler = Reconciler(self.api, self.caches, settings, self.recorder)
         self.stop_event = threading.Event()
         self.leading = threading.Event()
         self.finished = threading.Event()
@@ -195,6 +196,7 @@ def run(settings: Settings, kubeconfig: str) -> int:
     log.info("stopping")
     if manager.leading.is_set():
         manager.finished.wait(10)
+    manager.recorder.stop()
     if settings.leader_elect and not getattr(manager, "lost_lease", False):
         manager.release_lease()
     server.shutdown()

@@ -13,7 +13,7 @@ FIELD_MANAGER = "kubevbmc-controller"
 class Settings:
     agent_image: str = "kubevbmc:dev"
     namespace: str = ""  # "" watches every namespace
-    workers: int = 4
+    workers: int = 8
     resync_seconds: float = 300.0
     field_manager: str = FIELD_MANAGER
     metrics_address: str = "127.0.0.1:8080"
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the image of the agent pods (default %(default)s)")
     parser.add_argument("--namespace", default=env("KUBEVBMC_WATCH_NAMESPACE", ""),
                         help="watch one namespace only (default: all)")
-    parser.add_argument("--workers", type=int, default=int(env("KUBEVBMC_WORKERS", "4")))
+    # Reconciles mostly wait on the API server: more workers than cores pay off (bench/controller.py).
+    parser.add_argument("--workers", type=int, default=int(env("KUBEVBMC_WORKERS", "8")))
     parser.add_argument("--resync", type=float, default=float(env("KUBEVBMC_RESYNC_SECONDS", "300")),
                         metavar="SECONDS", help="reconcile every BMC at least this often (default %(default)s)")
     parser.add_argument("--metrics-address", default=env("KUBEVBMC_METRICS_ADDRESS", "127.0.0.1:8080"),

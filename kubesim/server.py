@@ -24,6 +24,8 @@ from .resources import ResourceType
 from .selectors import field_matcher, label_matcher
 from .store import APPLY, Store, decode_continue, encode_continue
 
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
@@ -279,7 +281,7 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         try:
             if "yaml" in content_type:
-                return yaml.safe_load(body)
+                return yaml.load(body, Loader=_YAML_LOADER)
             return json.loads(body)
         except (ValueError, yaml.YAMLError) as exc:
             raise errors.bad_request(f"the body of the request could not be decoded: {exc}") from None

@@ -166,3 +166,13 @@ def bmc_crd(api: client.ApiClient) -> None:
                  yaml.safe_load(BMC_CRD.read_text()))
     assert reply.status in (201, 409), reply.body
     wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")
+
+
+@pytest.fixture(scope="session")
+def controller(sim: Sim, bmc_crd: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The session's one controller process (two would take turns holding the leader Lease)."""
+    from .controllers import ControllerProcess
+
+    proc = ControllerProcess(sim.kubeconfig, tmp_path_factory.mktemp("controller") / "controller.log")
+    yield proc
+    proc.stop()

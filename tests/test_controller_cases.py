@@ -1,5 +1,4 @@
 """The controller's edge cases against kubesim, each from a user's point of view."""
-# ruff: noqa: F811  (`controller` is the session's controller process, a fixture imported from test_controller_e2e)
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from .controllers import (
     pods,
     settle,
 )
-from .test_controller_e2e import controller  # noqa: F401
 from .vms import make_vm
 
 

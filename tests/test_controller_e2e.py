@@ -6,22 +6,13 @@ import json
 import ssl
 import subprocess
 import urllib.request
-from collections.abc import Iterator
 
-import pytest
 from kubernetes import client
 
 from .agents import PASSWORD, USER
 from .conftest import Sim, wait_for
 from .controllers import ControllerProcess, apply_bmc, get_bmc, ipmitool, is_ready, make_secret
 from .vms import get_vm, make_vm
-
-
-@pytest.fixture(scope="session")
-def controller(sim: Sim, bmc_crd: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerProcess]:
-    proc = ControllerProcess(sim.kubeconfig, tmp_path_factory.mktemp("controller") / "controller.log")
-    yield proc
-    proc.stop()
 
 
 def test_ipmitool_and_redfish_through_the_service_of_a_ready_bmc(api: client.ApiClient, namespace: str,
