@@ -21,12 +21,12 @@ BMCS = "/apis/bmc.kubevirt.io/v1beta1/namespaces/{ns}/virtualmachinebmcs"
 
 class ControllerProcess:
     def __init__(self, kubeconfig: str, log: Path, *flags: str) -> None:
-        self.args = (kubeconfig, log, *flags)
+        self.kubeconfig, self.flags = kubeconfig, flags
         self._start(kubeconfig, log, *flags)
 
     def restart(self) -> None:
         assert self.stop() == 0
-        self._start(*self.args)
+        self._start(self.kubeconfig, self.log_path, *self.flags)
 
     def _start(self, kubeconfig: str, log: Path, *flags: str) -> None:
         self.log_path = log
