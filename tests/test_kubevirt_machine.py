@@ -214,3 +214,16 @@ def test_unreachable_api_server_is_backend_unavailable_within_two_seconds(tmp_pa
         machine.reset(ResetType.ON)
     assert time.monotonic() - began < 2
     machine.stop()
+
+
+def test_power_on_right_after_a_power_off_starts_the_vm_again(api: client.ApiClient, namespace: str,
+                                                              machine_factory: Any) -> None:
+    make_vm(api, namespace, run_strategy="Manual")
+    make_bmc(api, namespace)
+    machine = machine_factory()
+    machine.reset(ResetType.ON)
+    first = wait_for(lambda: running_vmi_uid(api, namespace), timeout=5, what="running")
+    machine.reset(ResetType.FORCE_OFF)
+    assert machine.power_state() in (PowerState.POWERING_OFF, PowerState.OFF)  # a read after the call sees it
+    machine.reset(ResetType.ON)  # no wait in between: the old VMI may still be shutting down
+    wait_for(lambda: running_vmi_uid(api, namespace) not in ("", first), timeout=8, what="running again")

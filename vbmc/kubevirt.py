@@ -235,13 +235,17 @@ class KubeVirtMachine(Machine):
                 if on:
                     return  # already on: success, no call
                 self._ensure_manual(vm)
+                if state == PowerState.POWERING_OFF:
+                    self._wait_powered_off()
                 self._start()
+                self._settle(lambda power: power != PowerState.OFF)
             elif reset_type in (ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN):
                 if state == PowerState.OFF:
                     return
                 self._ensure_manual(vm)
                 body = {"gracePeriod": 0} if reset_type == ResetType.FORCE_OFF else {}
                 self._subresource("virtualmachines", "stop", body, ok=_not_running)
+                self._settle(lambda power: power not in (PowerState.ON, PowerState.PAUSED))
             elif reset_type == ResetType.POWER_CYCLE:
                 self._ensure_manual(vm)
                 if on:
@@ -260,6 +264,21 @@ class KubeVirtMachine(Machine):
                     self._subresource("virtualmachineinstances", "reset", {})
                 else:
                     self._subresource("virtualmachineinstances", "softreboot", {})
+
+    def _settle(self, done: Callable[[PowerState], bool], timeout: float = 0.5) -> None:
+        """Let the cache see the effect of our own call, briefly, so that a status read (or the next command)
+        right after a power action does not answer from before it. Not reaching it is not an error."""
+        self.vm_watch.wait(lambda vm: vm is not None and done(vmstate.power_state(vm, self.vmi_watch.obj)), timeout)
+
+    def _wait_powered_off(self) -> None:
+        """Power on while the VM is still shutting down: virt-api would answer "already running" and do nothing,
+        so wait (within the deadline) for the old VMI to finish."""
+        def off(_: Obj | None) -> bool:
+            vm = self.vm_watch.obj or {}
+            return vmstate.power_state(vm, self.vmi_watch.obj) != PowerState.POWERING_OFF
+
+        if not (self.vm_watch.wait(off, self.deadline / 2) and self.vmi_watch.wait(off, self.deadline / 2)):
+            raise BackendUnavailable("the VM is still powering off: try again in a moment", retry_after=2)
 
     def _start(self) -> None:
         self._subresource("virtualmachines", "start", {}, ok=lambda e: "already running" in e.message)
