@@ -45,6 +45,15 @@ def machine_factory(sim: Sim, namespace: str, bmc_crd: None) -> Iterator[Any]:
         m.stop()
 
 
+@pytest.fixture
+def machine(api: client.ApiClient, namespace: str, machine_factory: Any) -> KubeVirtMachine:
+    """A KubeVirtMachine for a VM with runStrategy Manual and its VirtualMachineBMC."""
+    make_vm(api, namespace, run_strategy="Manual")
+    make_bmc(api, namespace)
+    made: KubeVirtMachine = machine_factory()
+    return made
+
+
 def test_power_on_from_halted_switches_to_manual_and_records_an_event(api: client.ApiClient, namespace: str,
                                                                       machine_factory: Any) -> None:
     make_vm(api, namespace)
@@ -60,10 +69,7 @@ def test_power_on_from_halted_switches_to_manual_and_records_an_event(api: clien
 
 
 def test_power_on_when_already_on_makes_no_call(api: client.ApiClient, namespace: str,
-                                                machine_factory: Any) -> None:
-    make_vm(api, namespace, run_strategy="Manual")
-    make_bmc(api, namespace)
-    machine = machine_factory()
+                                                machine: KubeVirtMachine) -> None:
     machine.reset(ResetType.ON)
     wait_for(lambda: machine.power_state() == PowerState.ON, timeout=5, what="running")
     before = get_vm(api, namespace)["metadata"]["resourceVersion"]
@@ -72,10 +78,7 @@ def test_power_on_when_already_on_makes_no_call(api: client.ApiClient, namespace
 
 
 def test_force_off_and_graceful_shutdown_stop_the_vm(api: client.ApiClient, namespace: str,
-                                                     machine_factory: Any) -> None:
-    make_vm(api, namespace, run_strategy="Manual")
-    make_bmc(api, namespace)
-    machine = machine_factory()
+                                                     machine: KubeVirtMachine) -> None:
     machine.reset(ResetType.ON)
     wait_for(lambda: machine.power_state() == PowerState.ON, timeout=5, what="running")
     machine.reset(ResetType.FORCE_OFF)
@@ -89,10 +92,7 @@ def test_force_off_and_graceful_shutdown_stop_the_vm(api: client.ApiClient, name
 
 
 def test_nmi_is_unsupported_and_restart_of_an_off_vm_is_refused(api: client.ApiClient, namespace: str,
-                                                                 machine_factory: Any) -> None:
-    make_vm(api, namespace, run_strategy="Manual")
-    make_bmc(api, namespace)
-    machine = machine_factory()
+                                                                 machine: KubeVirtMachine) -> None:
     with pytest.raises(Unsupported):
         machine.reset(ResetType.NMI)
     with pytest.raises(InvalidRequest):
@@ -101,10 +101,7 @@ def test_nmi_is_unsupported_and_restart_of_an_off_vm_is_refused(api: client.ApiC
 
 
 def test_force_restart_resets_the_vmi_in_place(api: client.ApiClient, namespace: str,
-                                               machine_factory: Any) -> None:
-    make_vm(api, namespace, run_strategy="Manual")
-    make_bmc(api, namespace)
-    machine = machine_factory()
+                                               machine: KubeVirtMachine) -> None:
     machine.reset(ResetType.ON)
     uid = wait_for(lambda: running_vmi_uid(api, namespace), timeout=5, what="running VMI")
     machine.reset(ResetType.FORCE_RESTART)
@@ -112,10 +109,7 @@ def test_force_restart_resets_the_vmi_in_place(api: client.ApiClient, namespace:
 
 
 def test_boot_once_applies_to_the_next_boot_and_is_then_reverted(api: client.ApiClient, namespace: str,
-                                                                 machine_factory: Any) -> None:
-    make_vm(api, namespace, run_strategy="Manual")
-    make_bmc(api, namespace)
-    machine = machine_factory()
+                                                                 machine: KubeVirtMachine) -> None:
     machine.reset(ResetType.ON)
     first = wait_for(lambda: running_vmi_uid(api, namespace), timeout=5, what="running VMI")
     machine.set_boot_override(BootOverride(BootTarget.PXE, BootEnabled.ONCE, BootMode.UEFI))
@@ -148,10 +142,7 @@ def test_boot_once_survives_an_agent_restart(api: client.ApiClient, namespace: s
 
 
 def test_boot_continuous_persists_across_boots(api: client.ApiClient, namespace: str,
-                                               machine_factory: Any) -> None:
-    make_vm(api, namespace, run_strategy="Manual")
-    make_bmc(api, namespace)
-    machine = machine_factory()
+                                               machine: KubeVirtMachine) -> None:
     machine.set_boot_override(BootOverride(BootTarget.CD, BootEnabled.CONTINUOUS, BootMode.UEFI))
     machine.reset(ResetType.ON)
     wait_for(lambda: running_vmi_uid(api, namespace), timeout=5, what="running")
@@ -163,10 +154,7 @@ def test_boot_continuous_persists_across_boots(api: client.ApiClient, namespace:
     assert boot_orders(get_vm(api, namespace))["cdrom"] is None
 
 
-def test_boot_mode_switches_the_bootloader(api: client.ApiClient, namespace: str, machine_factory: Any) -> None:
-    make_vm(api, namespace, run_strategy="Manual")
-    make_bmc(api, namespace)
-    machine = machine_factory()
+def test_boot_mode_switches_the_bootloader(api: client.ApiClient, namespace: str, machine: KubeVirtMachine) -> None:
     machine.set_boot_override(BootOverride(BootTarget.HDD, BootEnabled.CONTINUOUS, BootMode.LEGACY))
     firmware = get_vm(api, namespace)["spec"]["template"]["spec"]["domain"]["firmware"]
     assert "bios" in firmware["bootloader"]
@@ -176,10 +164,7 @@ def test_boot_mode_switches_the_bootloader(api: client.ApiClient, namespace: str
     assert "efi" in firmware["bootloader"]
 
 
-def test_virtual_media_insert_and_eject(api: client.ApiClient, namespace: str, machine_factory: Any) -> None:
-    make_vm(api, namespace, run_strategy="Manual")
-    make_bmc(api, namespace)
-    machine = machine_factory()
+def test_virtual_media_insert_and_eject(api: client.ApiClient, namespace: str, machine: KubeVirtMachine) -> None:
     machine.insert_media("http://images.example.com/installer.iso")
     volumes = get_vm(api, namespace)["spec"]["template"]["spec"]["volumes"]
     assert {"name": "cdrom", "dataVolume": {"name": "vm-cdrom", "hotpluggable": True}} in volumes
@@ -217,10 +202,7 @@ def test_unreachable_api_server_is_backend_unavailable_within_two_seconds(tmp_pa
 
 
 def test_power_on_right_after_a_power_off_starts_the_vm_again(api: client.ApiClient, namespace: str,
-                                                              machine_factory: Any) -> None:
-    make_vm(api, namespace, run_strategy="Manual")
-    make_bmc(api, namespace)
-    machine = machine_factory()
+                                                              machine: KubeVirtMachine) -> None:
     machine.reset(ResetType.ON)
     first = wait_for(lambda: running_vmi_uid(api, namespace), timeout=5, what="running")
     machine.reset(ResetType.FORCE_OFF)
