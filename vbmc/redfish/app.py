@@ -29,6 +29,7 @@ from ..machine import (
     BootOverride,
     BootTarget,
     InvalidRequest,
+    Inventory,
     Machine,
     MachineError,
     ResetType,
@@ -223,14 +224,15 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
             return
         raise RedfishError(412, "PreconditionFailed", headers={"ETag": current.etag})
 
-    def route(rule: str, methods: Iterable[str] = ("GET",)) -> Callable[[Callable[..., Response]],
-                                                                     Callable[..., Response]]:
+    def route(rule: str, methods: Iterable[str] = ("GET",), endpoint: str = "") -> Callable[
+            [Callable[..., Response]], Callable[..., Response]]:
         methods = tuple(methods)
 
         def register(view: Callable[..., Response]) -> Callable[..., Response]:
-            app.add_url_rule(rule, view.__name__, view, methods=list(methods))
+            name = endpoint or view.__name__
+            app.add_url_rule(rule, name, view, methods=list(methods))
             shown = {*methods, "HEAD"} if "GET" in methods else set(methods)
-            allow[view.__name__] = ", ".join(sorted(shown))
+            allow[name] = ", ".join(sorted(shown))
             return view
 
         return register
@@ -366,27 +368,23 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         inv = machine.inventory()
         return send(cache.get("memory", "Memory", inv, lambda: resources.memory(ids, inv)))
 
-    @route(f"{ids.system}/SimpleStorage")
-    def simple_storages() -> Response:
-        path = f"{ids.system}/SimpleStorage"
-        return static("simple_storages", "SimpleStorageCollection", lambda: resources.collection(
-            "SimpleStorageCollection", path, "Simple Storage", [f"{path}/{resources.STORAGE_ID}"]))
+    def storage_routes(kind: str, title: str, name: str,
+                       render: Callable[[Ids, Inventory], dict[str, Any]]) -> None:
+        """A storage collection with its one member: SimpleStorage and Storage differ only in the rendering."""
+        path = f"{ids.system}/{kind}"
 
-    @route(f"{ids.system}/SimpleStorage/{resources.STORAGE_ID}")
-    def simple_storage() -> Response:
-        inv = machine.inventory()
-        return send(cache.get("simple_storage", "SimpleStorage", inv, lambda: resources.simple_storage(ids, inv)))
+        @route(path, endpoint=f"{name}s")
+        def collection() -> Response:
+            return static(f"{name}s", f"{kind}Collection", lambda: resources.collection(
+                f"{kind}Collection", path, title, [f"{path}/{resources.STORAGE_ID}"]))
 
-    @route(f"{ids.system}/Storage")
-    def storages() -> Response:
-        path = f"{ids.system}/Storage"
-        return static("storages", "StorageCollection", lambda: resources.collection(
-            "StorageCollection", path, "Storage", [f"{path}/{resources.STORAGE_ID}"]))
+        @route(f"{path}/{resources.STORAGE_ID}", endpoint=name)
+        def member() -> Response:
+            inv = machine.inventory()
+            return send(cache.get(name, kind, inv, lambda: render(ids, inv)))
 
-    @route(f"{ids.system}/Storage/{resources.STORAGE_ID}")
-    def storage() -> Response:
-        inv = machine.inventory()
-        return send(cache.get("storage", "Storage", inv, lambda: resources.storage(ids, inv)))
+    storage_routes("SimpleStorage", "Simple Storage", "simple_storage", resources.simple_storage)
+    storage_routes("Storage", "Storage", "storage", resources.storage)
 
     @route(f"{ids.chassis}/Drives")
     def drives() -> Response:
