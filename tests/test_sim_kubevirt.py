@@ -772,7 +772,9 @@ def test_deleting_a_vm_removes_its_vmi_first(custom: client.CustomObjectsApi, ap
 
     custom.delete_namespaced_custom_object("kubevirt.io", "v1", namespace, "virtualmachines", "vm")
 
-    assert printable(custom, namespace, "vm") in ("Terminating", "Stopping")
+    held = get_vm(custom, namespace, "vm")  # KubeVirt's finalizer holds the VM while its VMI stops
+    assert held["metadata"].get("deletionTimestamp")
+    wait_for(lambda: printable(custom, namespace, "vm") in ("Terminating", "Stopping"), 5, what="VM Terminating")
     wait_for(lambda: _gone(custom, namespace, "vm"), 5, what="the VM gone")
     assert get_vmi(custom, namespace, "vm") is None
 
