@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[sim,test]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -30,7 +30,7 @@ sim: venv
 	$(BIN)/kubevbmc sim
 
 $(VENV)/.bench-installed: $(VENV)/.installed
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,bench]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[sim,test,bench]'
 	touch $@
 
 # Benchmarks print figures next to a peer measured in the same run; they need ipmitool and wrk (apt-get).
