@@ -115,7 +115,7 @@ def desired_role_binding(bmc: Obj, vm: str) -> Obj:
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": bmc["metadata"]["namespace"]}]}
 
 
-def desired_service(bmc: Obj, vm: str) -> Obj:
+def desired_service(bmc: Obj, vm: str, default_type: str = "ClusterIP") -> Obj:
     spec = BMCSpec.of(bmc)
     ports: list[Obj] = []
     if spec.ipmi.enabled:
@@ -127,7 +127,7 @@ def desired_service(bmc: Obj, vm: str) -> Obj:
     if spec.service.annotations:
         meta["annotations"] = dict(spec.service.annotations)
     return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
-            "spec": {"type": spec.service.type, "selector": selector(vm), "ports": ports}}
+            "spec": {"type": spec.service.type or default_type, "selector": selector(vm), "ports": ports}}
 
 
 def desired_tls_secret(bmc: Obj, vm: str, material: TLSMaterial) -> Obj:
@@ -177,6 +177,7 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
 
     container: Obj = {
         "name": "agent", "image": settings.agent_image, "args": args,
+        **({"imagePullPolicy": settings.agent_image_pull_policy} if settings.agent_image_pull_policy else {}),
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
                 {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"apiVersion": "v1",
                                                                      "fieldPath": "metadata.namespace"}}},

@@ -169,7 +169,7 @@ class Reconciler:
         self._apply(bmc, desired.desired_service_account(bmc, vm_name))
         self._apply(bmc, desired.desired_role(bmc, vm_name, desired.cdrom_disks(vm)))
         self._apply(bmc, desired.desired_role_binding(bmc, vm_name))
-        service = self._apply(bmc, desired.desired_service(bmc, vm_name))
+        service = self._apply(bmc, desired.desired_service(bmc, vm_name, self.settings.default_service_type))
         cluster_ip = str((service.get("spec") or {}).get("clusterIP") or "")
         deployment: Obj | None = None
         if vm is not None and problem is None and tls_problem is None:

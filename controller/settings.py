@@ -7,11 +7,16 @@ import os
 from dataclasses import dataclass
 
 FIELD_MANAGER = "kubevbmc-controller"
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+LOG_FORMATS = ("text", "json")
 
 
 @dataclass(frozen=True)
 class Settings:
     agent_image: str = "kubevbmc:dev"
+    agent_image_pull_policy: str = ""  # "": the pod template leaves it to Kubernetes' default
+    default_service_type: str = "ClusterIP"  # for a VirtualMachineBMC that leaves spec.service.type unset
     namespace: str = ""  # "" watches every namespace
     workers: int = 8
     resync_seconds: float = 300.0
@@ -30,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", default=env("KUBECONFIG", ""), help="default: $KUBECONFIG, else in-cluster")
     parser.add_argument("--agent-image", default=env("KUBEVBMC_AGENT_IMAGE", "kubevbmc:dev"),
                         help="the image of the agent pods (default %(default)s)")
+    parser.add_argument("--agent-image-pull-policy", default=env("KUBEVBMC_AGENT_IMAGE_PULL_POLICY", ""),
+                        choices=("", *PULL_POLICIES), help="imagePullPolicy of the agent pods (default: unset)")
+    parser.add_argument("--default-service-type", default=env("KUBEVBMC_DEFAULT_SERVICE_TYPE", "ClusterIP"),
+                        choices=SERVICE_TYPES,
+                        help="the agent Service type when spec.service.type is unset (default %(default)s)")
     parser.add_argument("--namespace", default=env("KUBEVBMC_WATCH_NAMESPACE", ""),
                         help="watch one namespace only (default: all)")
     # Reconciles mostly wait on the API server: more workers than cores pay off (bench/controller.py).
@@ -43,10 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-namespace", default=env("POD_NAMESPACE", "default"))
     parser.add_argument("--lease-name", default="kubevbmc-controller")
     parser.add_argument("--log-level", default=env("KUBEVBMC_LOG_LEVEL", "info"))
+    parser.add_argument("--log-format", default=env("KUBEVBMC_LOG_FORMAT", "text"), choices=LOG_FORMATS,
+                        help="text lines, or one JSON object per line for log collectors (default %(default)s)")
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    return Settings(agent_image=args.agent_image, namespace=args.namespace, workers=max(1, args.workers),
-                    resync_seconds=args.resync, metrics_address=args.metrics_address,
+    return Settings(agent_image=args.agent_image, agent_image_pull_policy=args.agent_image_pull_policy,
+                    default_service_type=args.default_service_type, namespace=args.namespace,
+                    workers=max(1, args.workers), resync_seconds=args.resync, metrics_address=args.metrics_address,
                     leader_elect=args.leader_elect == "true", lease_name=args.lease_name,
                     lease_namespace=args.lease_namespace)

@@ -33,7 +33,8 @@ class Redfish(_Model):
 
 
 class ServiceOptions(_Model):
-    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    # Unset: the controller's --default-service-type (so the CRD schema gives this field no default).
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] | None = None
     annotations: dict[str, str] = Field(default_factory=dict)
 
 

@@ -6,6 +6,7 @@ import base64
 import binascii
 from typing import Any
 
+from . import cel
 from .resources import ResourceType
 
 Obj = dict[str, Any]
@@ -278,5 +279,5 @@ def builtin_types() -> list[ResourceType]:
                      field_labels=_EVENTS_V1_FIELDS),
         ResourceType("apiextensions.k8s.io", "v1", "CustomResourceDefinition", "customresourcedefinitions",
                      "customresourcedefinition", namespaced=False, short_names=("crd", "crds"),
-                     status_subresource=True, has_generation=True),
+                     status_subresource=True, has_generation=True, validator=cel.check_crd),
     ]

@@ -8,12 +8,12 @@ it.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from . import errors
+from .objects import clone
 from .resources import ResourceType
 from .structure import ATOMIC, SET, list_type
 
@@ -240,7 +240,7 @@ def apply(rtype: ResourceType, live: Obj, config: Obj, manager: str, subresource
             details={"causes": causes, "kind": rtype.plural, "name": live["metadata"]["name"],
                      **({"group": rtype.group} if rtype.group else {})})
     # A copy: removal below edits in place, and the live object is shared with every reader of the store.
-    merged = _merge(rtype, (), copy.deepcopy(live), _scope(rtype, config, subresource))
+    merged = _merge(rtype, (), clone(live), _scope(rtype, config, subresource))
     mine = _touch(entries, ident, api_version, now)
     others: set[Path] = set().union(*(e.paths for e in entries if e.ident != ident))
     for path in sorted(mine.paths - wanted, key=len, reverse=True):
@@ -281,21 +281,21 @@ def _merge(rtype: ResourceType, names: tuple[str, ...], live: Any, config: Any) 
     if isinstance(config, list) and isinstance(live, list):
         kind = list_type(rtype, names)
         if kind == ATOMIC:
-            return copy.deepcopy(config)
+            return clone(config)
         if kind == SET:
-            return list(live) + [copy.deepcopy(v) for v in config if v not in live]
+            return list(live) + [clone(v) for v in config if v not in live]
         out_list = list(live)
         for item in config:
             if not isinstance(item, dict):
-                return copy.deepcopy(config)
+                return clone(config)
             index = next((i for i, cur in enumerate(out_list) if isinstance(cur, dict)
                           and all(cur.get(k) == item.get(k) for k in kind)), None)
             if index is None:
-                out_list.append(copy.deepcopy(item))
+                out_list.append(clone(item))
             else:
                 out_list[index] = _merge(rtype, names, out_list[index], item)
         return out_list
-    return copy.deepcopy(config)
+    return clone(config)
 
 
 def _remove(obj: Obj, path: Path) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import jsonpatch
 import jsonpointer
 
 from . import errors
+from .objects import clone
 from .resources import ResourceType
 from .structure import ATOMIC, SET, list_type
 
@@ -18,7 +18,7 @@ Obj = dict[str, Any]
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386 JSON merge patch."""
     if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
+        return clone(patch)
     result = dict(target) if isinstance(target, dict) else {}
     for key, value in patch.items():
         if value is None:
@@ -56,7 +56,7 @@ def _smp_map(rtype: ResourceType, path: tuple[str, ...], target: Any, patch: Obj
         elif isinstance(value, list):
             result[key] = _smp_list(rtype, (*path, key), result.get(key), value)
         else:
-            result[key] = copy.deepcopy(value)
+            result[key] = clone(value)
     for key, value in patch.items():
         if key.startswith("$deleteFromPrimitiveList/"):
             name = key.split("/", 1)[1]
@@ -69,20 +69,20 @@ def _smp_list(rtype: ResourceType, path: tuple[str, ...], target: Any, patch: li
     current = list(target) if isinstance(target, list) else []
     kind = list_type(rtype, path)
     if kind == ATOMIC:
-        return copy.deepcopy(patch)
+        return clone(patch)
     if kind == SET:
         out = list(current)
         for v in patch:
             if v not in out:
-                out.append(copy.deepcopy(v))
+                out.append(clone(v))
         return out
     keys = kind
     if any(isinstance(item, dict) and item.get("$patch") == "replace" for item in patch):
-        return [copy.deepcopy(i) for i in patch if not (isinstance(i, dict) and "$patch" in i)]
+        return [clone(i) for i in patch if not (isinstance(i, dict) and "$patch" in i)]
     out = list(current)
     for item in patch:
         if not isinstance(item, dict):
-            return copy.deepcopy(patch)
+            return clone(patch)
         ident = {k: item.get(k) for k in keys if k in item}
         index = next(
             (i for i, cur in enumerate(out) if isinstance(cur, dict) and ident
@@ -94,7 +94,7 @@ def _smp_list(rtype: ResourceType, path: tuple[str, ...], target: Any, patch: li
                 out.pop(index)
             continue
         if index is None:
-            out.append({k: v for k, v in copy.deepcopy(item).items() if k != "$patch"})
+            out.append({k: v for k, v in clone(item).items() if k != "$patch"})
         else:
             out[index] = _smp_map(rtype, path, out[index], item)
     return out

@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from . import errors
+from . import errors, protobuf
 from .jsonpath import evaluate
 from .objects import parse_time
 from .resources import ResourceType
@@ -279,6 +279,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _decode(self, body: bytes, content_type: str) -> Any:
         if not body:
             return None
+        if content_type.split(";")[0].strip() == protobuf.MEDIA_TYPE:
+            return protobuf.decode(body)
         try:
             if "yaml" in content_type:
                 return yaml.load(body, Loader=_YAML_LOADER)
@@ -480,7 +482,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(201 if created else 200, self._out(obj))
 
     def _delete(self, rtype: ResourceType, namespace: str, name: str, sub: str, raw: bytes) -> None:
-        opts = self._decode(raw, "application/json") if raw else {}
+        opts = self._decode(raw, self.headers.get("Content-Type") or "application/json") if raw else {}
         opts = opts if isinstance(opts, dict) else {}
         propagation = self.query.get("propagationPolicy") or opts.get("propagationPolicy") or ""
         if propagation not in ("", "Background", "Foreground", "Orphan"):
@@ -520,11 +522,35 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- watch
 
+    def _initial_events(self) -> bool:
+        """Watch-list (WatchList, on by default since 1.34): `sendInitialEvents=true` streams the current objects as
+        ADDED events, then a bookmark annotated `k8s.io/initial-events-end`; client-go 1.36 informers ask for it.
+        The checks are kube-apiserver's validateWatchOptions."""
+        send, match = self.query.get("sendInitialEvents"), self.query.get("resourceVersionMatch", "")
+        causes = []
+        if send is not None and match != "NotOlderThan":
+            causes.append({"field": "resourceVersionMatch", "reason": "FieldValueForbidden",
+                           "message": "Forbidden: sendInitialEvents requires setting resourceVersionMatch to "
+                                      "NotOlderThan"})
+        if match and send is None:
+            causes.append({"field": "resourceVersionMatch", "reason": "FieldValueForbidden",
+                           "message": "Forbidden: resourceVersionMatch is forbidden for watch unless "
+                                      "sendInitialEvents is provided"})
+        if match and match != "NotOlderThan":
+            causes.append({"field": "resourceVersionMatch", "reason": "FieldValueNotSupported",
+                           "message": f'Unsupported value: "{match}": supported values: "NotOlderThan"'})
+        if causes:
+            raise errors.invalid("ListOptions", "", causes, group="meta.k8s.io")
+        return send in ("true", "1", "True")
+
     def _watch(self, rtype: ResourceType, namespace: str) -> None:
         store = self.api.store
         timeout = float(self.query.get("timeoutSeconds") or 1800)
         bookmarks = self.query.get("allowWatchBookmarks") in ("true", "1", "True")
-        rv = self.query.get("resourceVersion") or None
+        initial_events = self._initial_events()
+        # The initial events are the current state, which is never older than a resourceVersion given with them.
+        rv = None if initial_events else self.query.get("resourceVersion") or None
+        end_mark = initial_events and bookmarks  # kube-apiserver marks their end only for a watch with bookmarks
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
@@ -545,12 +571,22 @@ class _Handler(BaseHTTPRequestHandler):
                 if now >= deadline:
                     break
                 wait = min(deadline, next_bookmark if bookmarks else deadline, now + 1.0) - now
+                if end_mark:
+                    wait = 0.0  # only drain what is queued, then mark the end of the initial events
                 event = watcher.next(max(wait, 0.01))
                 if event is not None:
                     obj = event.obj
                     line = event.line() if self.version == rtype.version else json.dumps(
                         {"type": event.type, "object": self._out(obj)}).encode() + b"\n"
                     self._chunk(line)
+                    continue
+                if end_mark:  # the queue is drained: every initial ADDED event is out
+                    end_mark = False
+                    mark = {"type": "BOOKMARK", "object": {
+                        "kind": rtype.kind, "apiVersion": rtype.api_version(self.version), "metadata": {
+                            "resourceVersion": str(watcher.progress_rv),
+                            "annotations": {"k8s.io/initial-events-end": "true"}}}}
+                    self._chunk(json.dumps(mark).encode() + b"\n")
                     continue
                 if bookmarks and time.monotonic() >= next_bookmark:
                     mark = {"type": "BOOKMARK", "object": {
