@@ -166,25 +166,38 @@ class Reconciler:
                                              tls_problem=tls_problem, blocked_by=blocked))
             return Result(requeue_after=2.0)
 
-        self._apply(bmc, desired.desired_service_account(bmc, vm_name))
-        self._apply(bmc, desired.desired_role(bmc, vm_name, desired.cdrom_disks(vm)))
-        self._apply(bmc, desired.desired_role_binding(bmc, vm_name))
-        service = self._apply(bmc, desired.desired_service(bmc, vm_name, self.settings.default_service_type))
-        cluster_ip = str((service.get("spec") or {}).get("clusterIP") or "")
-        deployment: Obj | None = None
-        if vm is not None and problem is None and tls_problem is None:
-            tls_secret = None
-            if spec.redfish.enabled:
-                tls_secret = (self.caches.secrets.get(namespace, tls_ref) if tls_ref
-                              else self._tls_secret(bmc, vm_name, cluster_ip))
-            assert secret is not None
-            deployment = self._apply(bmc, desired.desired_deployment(bmc, vm_name, self.settings, secret, tls_secret))
-        else:
-            self._remove_agent(bmc, vm_name, "the VirtualMachine is missing" if vm is None
-                               else (problem or tls_problem or ("", ""))[1])
+        created: list[str] = []  # one Event names every child this pass created, even if a later write fails
+        try:
+            cluster_ip, deployment = self._apply_children(bmc, spec, vm, secret, problem or tls_problem, created)
+        finally:
+            if created:
+                self.recorder.event(bmc, "Normal", "Created", "created " + ", ".join(created))
         return self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
                                                 tls_problem=tls_problem, cluster_ip=cluster_ip,
                                                 deployment=deployment))
+
+    def _apply_children(self, bmc: Obj, spec: BMCSpec, vm: Obj | None, secret: Obj | None,
+                        problem: tuple[str, str] | None, created: list[str]) -> tuple[str, Obj | None]:
+        """Apply the children; the agent only when its VM and Secrets are usable. Returns (clusterIP, agent)."""
+        namespace, vm_name = bmc["metadata"]["namespace"], spec.virtual_machine_ref.name
+        tls_ref = spec.redfish.tls.secret_ref.name if spec.redfish.tls.secret_ref else ""
+        self._apply(bmc, desired.desired_service_account(bmc, vm_name), created)
+        self._apply(bmc, desired.desired_role(bmc, vm_name, desired.cdrom_disks(vm)), created)
+        self._apply(bmc, desired.desired_role_binding(bmc, vm_name), created)
+        service = self._apply(bmc, desired.desired_service(bmc, vm_name, self.settings.default_service_type),
+                              created)
+        cluster_ip = str((service.get("spec") or {}).get("clusterIP") or "")
+        if vm is None or problem is not None:
+            why = "the VirtualMachine is missing" if vm is None else (problem or ("", ""))[1]
+            self._remove_agent(bmc, vm_name, why)
+            return cluster_ip, None
+        tls_secret = None
+        if spec.redfish.enabled:
+            tls_secret = (self.caches.secrets.get(namespace, tls_ref) if tls_ref
+                          else self._tls_secret(bmc, vm_name, cluster_ip, created))
+        assert secret is not None
+        return cluster_ip, self._apply(
+            bmc, desired.desired_deployment(bmc, vm_name, self.settings, secret, tls_secret), created)
 
     # ---- decisions that read the caches
 
@@ -217,7 +230,8 @@ class Reconciler:
 
     # ---- writes
 
-    def _apply(self, bmc: Obj, want: Obj) -> Obj:
+    def _apply(self, bmc: Obj, want: Obj, created: list[str]) -> Obj:
+        """Apply `want` when the cached child differs; a creation is added to `created` ("Kind name")."""
         kind, meta = want["kind"], want["metadata"]
         have = self._cached(kind, meta["namespace"], meta["name"])
         why = "created" if have is None else (difference(want, have)
@@ -230,7 +244,7 @@ class Reconciler:
                                   query={"fieldManager": self.settings.field_manager, "force": "true"})
         self._remember(kind, result)
         if why == "created":
-            self.recorder.event(bmc, "Normal", "Created", f"created {kind} {meta['name']}")
+            created.append(f"{kind} {meta['name']}")
         elif desired.CREDENTIALS_CHECKSUM in why:
             self.recorder.event(bmc, "Normal", "CredentialsChanged",
                                 f"the credentials Secret changed: restarting the agent ({kind} {meta['name']})")
@@ -238,7 +252,7 @@ class Reconciler:
             self.recorder.event(bmc, "Normal", "Updated", f"updated {kind} {meta['name']}: {why} differed")
         return result
 
-    def _tls_secret(self, bmc: Obj, vm: str, cluster_ip: str) -> Obj:
+    def _tls_secret(self, bmc: Obj, vm: str, cluster_ip: str, created: list[str]) -> Obj:
         namespace = bmc["metadata"]["namespace"]
         names = certificates.service_names(desired.child_name(vm), namespace, cluster_ip)
         have = self._cached("Secret", namespace, desired.tls_secret_name(vm))
@@ -248,7 +262,7 @@ class Reconciler:
                                                 _decode(have, "ca.crt"))
         else:
             material = certificates.issue(names, now)
-        return self._apply(bmc, desired.desired_tls_secret(bmc, vm, material))
+        return self._apply(bmc, desired.desired_tls_secret(bmc, vm, material), created)
 
     def _remove_agent(self, bmc: Obj, vm: str, why: str) -> None:
         namespace, name = bmc["metadata"]["namespace"], desired.child_name(vm)

@@ -31,7 +31,12 @@ def _item_key(item: Obj, keys: tuple[str, ...]) -> str:
 
 def field_set(rtype: ResourceType, obj: Obj, subresource: str = "") -> set[Path]:
     """The paths `obj` sets, limited to what the endpoint (main resource or `/status`) may change."""
-    out: set[Path] = set()
+    return set(field_values(rtype, obj, subresource))
+
+
+def field_values(rtype: ResourceType, obj: Obj, subresource: str = "") -> dict[Path, Any]:
+    """`field_set` with the value at each path (what `value_at` would find there), in one walk."""
+    out: dict[Path, Any] = {}
     for key, value in obj.items():
         if key in ("apiVersion", "kind"):
             continue
@@ -48,7 +53,7 @@ def field_set(rtype: ResourceType, obj: Obj, subresource: str = "") -> set[Path]
     return out
 
 
-def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, out: set[Path]) -> None:
+def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, out: dict[Path, Any]) -> None:
     if isinstance(value, dict) and value:
         for key, child in value.items():
             _walk(rtype, (*names, key), (*path, "f:" + key), child, out)
@@ -56,23 +61,23 @@ def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, o
     if isinstance(value, list) and value:
         kind = list_type(rtype, names)
         if kind == ATOMIC:
-            out.add(path)
+            out[path] = value
             return
         if kind == SET:
             for item in value:
-                out.add((*path, "v:" + json.dumps(item, separators=(",", ":"))))
+                out[(*path, "v:" + json.dumps(item, separators=(",", ":")))] = item
             return
         keys = tuple(kind)
+        if not all(isinstance(item, dict) for item in value):
+            out[path] = value
+            return
         for item in value:
-            if not isinstance(item, dict):
-                out.add(path)
-                return
             item_path = (*path, _item_key(item, keys))
-            out.add((*item_path, "."))
+            out[(*item_path, ".")] = item
             for key, child in item.items():
                 _walk(rtype, (*names, key), (*item_path, "f:" + key), child, out)
         return
-    out.add(path)
+    out[path] = value
 
 
 def value_at(rtype: ResourceType, obj: Any, path: Path) -> Any:
@@ -133,19 +138,40 @@ class Entry:
     api_version: str
     time: str
     paths: set[Path]
+    # The stored fieldsV1 these paths were read from, reused as is when they come out unchanged.
+    fields_v1: Obj | None = None
+    read_paths: frozenset[Path] = frozenset()
 
     @property
     def ident(self) -> tuple[str, str, str]:
         return (self.manager, self.operation, self.subresource)
 
 
+# Decoded fieldsV1 by the identity of the stored (never edited) dict, which the cache holds so the id stays its.
+_decoded: dict[int, tuple[Obj, frozenset[Path]]] = {}
+_DECODED_MAX = 20000
+
+
+def _decode_stored(tree: Obj) -> frozenset[Path]:
+    hit = _decoded.get(id(tree))
+    if hit is not None and hit[0] is tree:
+        return hit[1]
+    paths = frozenset(decode(tree))
+    if len(_decoded) >= _DECODED_MAX:
+        _decoded.clear()
+    _decoded[id(tree)] = (tree, paths)
+    return paths
+
+
 def read_entries(obj: Obj) -> list[Entry]:
     entries = []
     for mf in obj.get("metadata", {}).get("managedFields") or []:
+        tree = mf.get("fieldsV1") or {}
+        paths = _decode_stored(tree)
         entries.append(Entry(
             manager=mf.get("manager", ""), operation=mf.get("operation", "Update"),
             subresource=mf.get("subresource", ""), api_version=mf.get("apiVersion", ""),
-            time=mf.get("time", ""), paths=decode(mf.get("fieldsV1") or {}),
+            time=mf.get("time", ""), paths=set(paths), fields_v1=tree, read_paths=paths,
         ))
     return entries
 
@@ -155,8 +181,10 @@ def write_entries(obj: Obj, entries: list[Entry]) -> None:
     for e in entries:
         if not e.paths:
             continue
+        reuse = e.fields_v1 is not None and e.paths == e.read_paths
         mf: Obj = {"manager": e.manager, "operation": e.operation, "apiVersion": e.api_version,
-                   "time": e.time, "fieldsType": "FieldsV1", "fieldsV1": encode(e.paths)}
+                   "time": e.time, "fieldsType": "FieldsV1",
+                   "fieldsV1": e.fields_v1 if reuse else encode(e.paths)}
         if e.subresource:
             mf["subresource"] = e.subresource
         out.append(mf)
@@ -191,10 +219,10 @@ def track_update(rtype: ResourceType, old: Obj | None, new: Obj, manager: str, s
                  api_version: str, now: str) -> None:
     """Give `manager` (operation Update) the fields this write changed, taking them from everyone else."""
     entries = read_entries(old) if old is not None else []
-    before = field_set(rtype, old, subresource) if old is not None else set()
-    after = field_set(rtype, new, subresource)
-    changed = {p for p in after if p not in before or value_at(rtype, old, p) != value_at(rtype, new, p)}
-    removed = before - after
+    before = field_values(rtype, old, subresource) if old is not None else {}
+    after = field_values(rtype, new, subresource)
+    changed = {p for p, v in after.items() if before.get(p, _ABSENT) != v}
+    removed = before.keys() - after.keys()
     if changed or removed:
         for e in entries:
             e.paths -= changed | removed

@@ -394,23 +394,70 @@ class EndpointsController(ControlLoop):
 
     def __init__(self, store: Store) -> None:
         super().__init__(store, workers=2)
-        # namespace -> service name -> selector; kept from events so a pod event finds its services quickly.
+        # Indexes kept from events (under the store lock), so that neither a pod event nor a sync scans the
+        # namespace: namespace -> service name -> selector; namespace -> selector (as a frozenset) -> services;
+        # namespace -> label (key, value) -> pod names.
         self._selectors: dict[str, dict[str, Obj]] = {}
+        self._services_by_selector: dict[str, dict[frozenset[tuple[str, str]], set[str]]] = {}
+        self._pods_by_label: dict[str, dict[tuple[str, str], set[str]]] = {}
+        self._pod_labels: dict[str, dict[str, Obj]] = {}
 
     def keys_for(self, event: Event) -> Iterable[Hashable]:
         meta = event.obj["metadata"]
         ns = meta.get("namespace", "")
         if event.rtype.key == "/services":
-            selector = (event.obj.get("spec") or {}).get("selector")
-            if event.type == DELETED or not selector:
-                self._selectors.get(ns, {}).pop(meta["name"], None)
-            else:
-                self._selectors.setdefault(ns, {})[meta["name"]] = selector
+            self._index_service(ns, meta["name"], None if event.type == DELETED else
+                                (event.obj.get("spec") or {}).get("selector"))
             return [(ns, meta["name"])]
         labels = meta.get("labels") or {}
         old_labels = ((event.old or {}).get("metadata") or {}).get("labels") or {}
-        return [(ns, name) for name, sel in list(self._selectors.get(ns, {}).items())
-                if selector_matches(sel, labels) or (event.old is not None and selector_matches(sel, old_labels))]
+        self._index_pod(ns, meta["name"], {} if event.type == DELETED else labels)
+        return [(ns, name) for name in sorted(self._services_selecting(ns, labels) |
+                                              self._services_selecting(ns, old_labels))]
+
+    def _services_selecting(self, ns: str, labels: Obj) -> set[str]:
+        """The Services whose selector `labels` satisfies: a selector is a subset of the labels."""
+        selectors = self._selectors.get(ns, {})
+        if len(labels) > 8:  # too many subsets to look up: scan
+            return {name for name, sel in selectors.items() if selector_matches(sel, labels)}
+        by_selector = self._services_by_selector.get(ns, {})
+        pairs = list(labels.items())
+        found: set[str] = set()
+        for size in range(1, len(pairs) + 1):
+            for subset in itertools.combinations(pairs, size):
+                found |= by_selector.get(frozenset(subset), set())
+        return found
+
+    def _index_service(self, ns: str, name: str, selector: Obj | None) -> None:
+        selectors = self._selectors.setdefault(ns, {})
+        by_selector = self._services_by_selector.setdefault(ns, {})
+        previous = selectors.pop(name, None)
+        if previous:
+            by_selector.get(frozenset(previous.items()), set()).discard(name)
+        if selector:
+            selectors[name] = selector
+            by_selector.setdefault(frozenset(selector.items()), set()).add(name)
+
+    def _index_pod(self, ns: str, name: str, labels: Obj) -> None:
+        by_label = self._pods_by_label.setdefault(ns, {})
+        known = self._pod_labels.setdefault(ns, {})
+        for pair in (known.pop(name, None) or {}).items():
+            if labels.get(pair[0]) != pair[1]:
+                by_label.get(pair, set()).discard(name)
+        for pair in labels.items():
+            by_label.setdefault(pair, set()).add(name)
+        if labels:
+            known[name] = dict(labels)
+
+    def _pods_selected(self, ns: str, selector: Obj) -> list[Obj]:
+        by_label = self._pods_by_label.get(ns, {})
+        sets: list[set[str]] = [by_label.get(pair, set()) for pair in selector.items()]
+        smallest: set[str] = min(sets, key=len)
+        candidates = list(smallest)
+        pod_type = self.store.type("/pods")
+        pods = [p for p in (self.store.find(pod_type, ns, n) for n in candidates)
+                if p is not None and selector_matches(selector, p["metadata"].get("labels") or {})]
+        return sorted(pods, key=lambda p: p["metadata"]["name"])
 
     def sync(self, key: Hashable) -> float | None:
         assert isinstance(key, tuple)
@@ -427,8 +474,7 @@ class EndpointsController(ControlLoop):
                 with contextlib.suppress(errors.ApiError):
                     store.delete(ep_type, ns, name)
             return None
-        pods, _ = store.list(store.type("/pods"), ns, labels=lambda p: selector_matches(
-            selector, p["metadata"].get("labels") or {}))
+        pods = self._pods_selected(ns, selector)
         subsets = desired_subsets(svc, pods)
         labels = dict(svc["metadata"].get("labels") or {})
         labels[ENDPOINTS_MANAGED_BY] = "endpoint-controller"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -283,6 +284,9 @@ class _Handler(BaseHTTPRequestHandler):
             return protobuf.decode(body)
         try:
             if "yaml" in content_type:
+                if body.lstrip().startswith(b"{"):  # most apply bodies are JSON, which is YAML too
+                    with contextlib.suppress(ValueError):
+                        return json.loads(body)
                 return yaml.load(body, Loader=_YAML_LOADER)
             return json.loads(body)
         except (ValueError, yaml.YAMLError) as exc:

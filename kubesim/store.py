@@ -230,8 +230,8 @@ class Store:
 
     def create(self, rtype: ResourceType, obj: Obj, *, namespace: str = "", manager: str = "",
                dry_run: bool = False, field_validation: str = "", warnings: Warnings = None,
-               applied: tuple[str, Obj] | None = None) -> Obj:
-        new = clone(obj)
+               applied: tuple[str, Obj] | None = None, copy: bool = True) -> Obj:
+        new = clone(obj) if copy else obj  # copy=False: the caller hands `obj` over
         meta = new.setdefault("metadata", {})
         if not isinstance(meta, dict):
             raise errors.bad_request("metadata must be an object")
@@ -268,9 +268,11 @@ class Store:
 
     def update(self, rtype: ResourceType, obj: Obj, *, namespace: str, name: str, subresource: str = "",
                manager: str = "", dry_run: bool = False, field_validation: str = "",
-               warnings: Warnings = None) -> Obj:
-        """PUT: optimistic concurrency on metadata.resourceVersion when the client sends one."""
-        new = clone(obj)
+               warnings: Warnings = None, copy: bool = True) -> Obj:
+        """PUT: optimistic concurrency on metadata.resourceVersion when the client sends one.
+
+        `copy=False` hands `obj` over to the store (the caller made it and will not touch it again)."""
+        new = clone(obj) if copy else obj
         meta = new.get("metadata")
         if not isinstance(meta, dict):
             raise errors.bad_request("metadata must be an object")
@@ -310,7 +312,7 @@ class Store:
                             base[key] = clone(value)
                     return self.create(rtype, base, namespace=namespace, dry_run=dry_run,
                                        field_validation=field_validation, warnings=warnings,
-                                       applied=(manager, body)), True
+                                       applied=(manager, body), copy=False), True
                 new = fields.apply(rtype, old, body, manager, subresource, force, rtype.api_version(), now())
                 return self._write(rtype, old, new, subresource, "", dry_run, field_validation, warnings), False
             if old is None:
@@ -402,12 +404,19 @@ class Store:
             cur = self.find(rtype, namespace, name)
             if cur is None:
                 return None
-            new = clone(cur)
+            if subresource == "status":
+                # Only the status can change through /status: the rest is shared with the stored version,
+                # which nobody edits in place, and `change` must leave it alone.
+                new = {**cur, "metadata": dict(cur["metadata"])}
+                if "status" in cur:
+                    new["status"] = clone(cur["status"])
+            else:
+                new = clone(cur)
             if change(new) is False:
                 return cur
             try:
                 return self.update(rtype, new, namespace=namespace, name=name, subresource=subresource,
-                                   manager=manager)
+                                   manager=manager, copy=False)
             except errors.ApiError as exc:
                 if exc.code != 409:
                     raise
@@ -418,20 +427,23 @@ class Store:
     def _write(self, rtype: ResourceType, old: Obj, new: Obj, subresource: str, manager: str, dry_run: bool,
                field_validation: str, warnings: Warnings) -> Obj:
         new["apiVersion"], new["kind"] = old["apiVersion"], rtype.kind
+        # `new` is the store's own copy. What this endpoint may not change is put back as stored; comparing
+        # first spares a copy of what the writer left alone (nearly always all of it).
         if subresource == "status":
-            merged = clone(old)
-            merged["metadata"]["managedFields"] = (new.get("metadata") or {}).get(
-                "managedFields", old["metadata"].get("managedFields"))
-            if "status" in new:
-                merged["status"] = new["status"]
-            else:
-                merged.pop("status", None)
-            new = merged
+            managed = (new.get("metadata") or {}).get("managedFields", old["metadata"].get("managedFields"))
+            for key in (set(old) | set(new)) - {"status", "apiVersion", "kind"}:
+                if key not in old:
+                    new.pop(key)
+                elif new.get(key) != old[key]:
+                    new[key] = clone(old[key])
+            new["metadata"]["managedFields"] = managed
+            if managed is None:
+                new["metadata"].pop("managedFields")
         elif rtype.status_subresource:
-            if "status" in old:
-                new["status"] = clone(old["status"])
-            else:
+            if "status" not in old:
                 new.pop("status", None)
+            elif new.get("status") != old["status"]:
+                new["status"] = clone(old["status"])
         meta = new.setdefault("metadata", {})
         for key in ("name", "namespace", "uid", "creationTimestamp", "deletionTimestamp",
                     "deletionGracePeriodSeconds", "generation", "generateName"):

@@ -95,11 +95,12 @@ def template_hash(template: Obj, collision_count: int = 0) -> str:
 
 
 def _without_hash(template: Obj) -> Obj:
-    out = clone(template)
-    labels = (out.get("metadata") or {}).get("labels")
-    if isinstance(labels, dict):
-        labels.pop(HASH_LABEL, None)
-    return out
+    """A view of the template without the pod-template-hash label (shallow: for comparing, not for editing)."""
+    meta = template.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("labels"), dict) or HASH_LABEL not in meta["labels"]:
+        return template
+    labels = {k: v for k, v in meta["labels"].items() if k != HASH_LABEL}
+    return {**template, "metadata": {**meta, "labels": labels}}
 
 
 def templates_equal(a: Obj, b: Obj) -> bool:
