@@ -155,7 +155,7 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
     secret_name = credentials["metadata"]["name"]
     args = ["agent", "--namespace", "$(POD_NAMESPACE)", "--vm", vm, "--vmbmc", bmc["metadata"]["name"],
             "--ipmi-address", f"$(POD_IP):{IPMI_PORT}" if spec.ipmi.enabled else "",
-            "--redfish-address", f"$(POD_IP):{HTTP_PORT}"]
+            "--redfish-address", f"$(POD_IP):{HTTP_PORT}", "--log-level", settings.agent_log_level]
     ports: list[Obj] = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     if spec.ipmi.enabled:
         ports.insert(0, {"name": "ipmi", "containerPort": IPMI_PORT, "protocol": "UDP"})

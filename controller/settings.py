@@ -10,12 +10,14 @@ FIELD_MANAGER = "kubevbmc-controller"
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
 class Settings:
     agent_image: str = "kubevbmc:dev"
     agent_image_pull_policy: str = ""  # "": the pod template leaves it to Kubernetes' default
+    agent_log_level: str = "info"  # the agents' --log-level: debug also logs every IPMI read
     default_service_type: str = "ClusterIP"  # for a VirtualMachineBMC that leaves spec.service.type unset
     namespace: str = ""  # "" watches every namespace
     workers: int = 8
@@ -37,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the image of the agent pods (default %(default)s)")
     parser.add_argument("--agent-image-pull-policy", default=env("KUBEVBMC_AGENT_IMAGE_PULL_POLICY", ""),
                         choices=("", *PULL_POLICIES), help="imagePullPolicy of the agent pods (default: unset)")
+    parser.add_argument("--agent-log-level", default=env("KUBEVBMC_AGENT_LOG_LEVEL", "info"), choices=LOG_LEVELS,
+                        help="the --log-level of the agents (default %(default)s; debug logs IPMI reads too)")
     parser.add_argument("--default-service-type", default=env("KUBEVBMC_DEFAULT_SERVICE_TYPE", "ClusterIP"),
                         choices=SERVICE_TYPES,
                         help="the agent Service type when spec.service.type is unset (default %(default)s)")
@@ -59,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(agent_image=args.agent_image, agent_image_pull_policy=args.agent_image_pull_policy,
+                    agent_log_level=args.agent_log_level,
                     default_service_type=args.default_service_type, namespace=args.namespace,
                     workers=max(1, args.workers), resync_seconds=args.resync, metrics_address=args.metrics_address,
                     leader_elect=args.leader_elect == "true", lease_name=args.lease_name,

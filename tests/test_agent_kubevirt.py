@@ -8,6 +8,7 @@ and its VMI in the cluster.
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,8 @@ import sushy
 from kubernetes import client
 from pyghmi.ipmi import command as pyghmi_command
 from sushy import auth as sushy_auth
+
+from vbmc.ipmi.server import WRITE_DEADLINE
 
 from .agents import PASSWORD, USER, AgentProcess
 from .conftest import Sim, call, wait_for
@@ -132,6 +135,30 @@ def test_ipmitool_bootdev_pxe_boots_the_next_vmi_from_the_interface_then_the_dis
     assert agent.ipmitool("power", "cycle").returncode == 0
     wait_for(lambda: running_vmi_uid(api, namespace) not in ("", first, second), timeout=10, what="the next boot")
     assert interface_boot_order(get_vmi(api, namespace)) is None
+
+
+@pytest.mark.parametrize("command", [
+    ("chassis", "bootdev", "pxe"),
+    ("raw", "0x00", "0x08", "0x05", "0xa0", "0x04", "0", "0", "0"),  # Ironic's form: the completion code shows
+])
+def test_ipmitool_bootdev_succeeds_within_the_ipmi_deadline(agent: AgentProcess, api: client.ApiClient,
+                                                            namespace: str, command: tuple[str, ...]) -> None:
+    # ipmitool exits 0 from `chassis bootdev` even when the BMC answers 0xC0, so look at what it prints.
+    started = time.monotonic()
+    result = agent.ipmitool(*command)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0 and "failed" not in result.stderr and "rsp=" not in result.stderr, result.stderr
+    assert elapsed < WRITE_DEADLINE, f"{elapsed:.2f} s: the BMC would have answered Node busy"
+    assert boot_orders(get_vm(api, namespace))["default"] == 1
+    assert "Boot Device Selector : Force PXE" in agent.ipmitool("chassis", "bootparam", "get", "5").stdout
+    # A second override (the record already exists) is as quick, and so is clearing it.
+    started = time.monotonic()
+    result = agent.ipmitool("chassis", "bootdev", "disk", "options=persistent")
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    result = agent.ipmitool("chassis", "bootdev", "none")
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    assert time.monotonic() - started < 2 * WRITE_DEADLINE
+    assert boot_orders(get_vm(api, namespace)) == {"root": None, "cdrom": None, "default": None}
 
 
 def test_ipmitool_persistent_bootdev_survives_boots(agent: AgentProcess, api: client.ApiClient,
@@ -255,6 +282,27 @@ def test_sushy_virtual_media_inserts_a_datavolume_on_the_cdrom(agent: AgentProce
     media.eject_media()
     volumes = get_vm(api, namespace)["spec"]["template"]["spec"]["volumes"]
     assert all(v["name"] != "cdrom" for v in volumes)
+
+
+def test_redfish_insert_media_on_a_vm_without_a_cdrom_says_why(sim: Sim, api: client.ApiClient, namespace: str,
+                                                                bmc_crd: None) -> None:
+    make_vm(api, namespace, cdrom=False)
+    make_bmc(api, namespace)
+    agent = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": sim.kubeconfig})
+    try:
+        wait_for(agent.ready, timeout=20, what="the agent to be ready")
+        status, cd = agent.redfish("GET", "/redfish/v1/Systems/vm/VirtualMedia/Cd")
+        assert status == 200 and cd["Status"] == {"State": "Absent"}
+        action = "/redfish/v1/Systems/vm/VirtualMedia/Cd/Actions/VirtualMedia.InsertMedia"
+        status, answer = agent.redfish("POST", action, {"Image": "http://images.example.com/installer.iso",
+                                                        "Inserted": True})
+        assert status == 400
+        assert answer["error"]["@Message.ExtendedInfo"][0]["MessageId"] == "Base.1.19.ActionNotSupported"
+        assert answer["error"]["message"].endswith(
+            "the VM has no cdrom disk: add an empty cdrom disk to its template to use virtual media")
+        assert call(api, "GET", f"/apis/cdi.kubevirt.io/v1beta1/namespaces/{namespace}/datavolumes").body["items"] == []
+    finally:
+        agent.stop()
 
 
 def test_sushy_inventory_matches_the_vm(agent: AgentProcess, system: Any, api: client.ApiClient,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import base64
 import datetime
 import time
@@ -11,9 +12,10 @@ import pytest
 
 from controller import certificates, desired
 from controller.reconciler import difference, stale_owned_keys
-from controller.settings import Settings
+from controller.settings import Settings, add_arguments, settings_from
 from controller.status import Observed, agent_readiness, desired_status, status_patch
 from controller.workqueue import WorkQueue
+from vbmc import agent
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 
@@ -87,6 +89,36 @@ def test_the_agent_deployment_is_locked_down_and_rolls_on_credential_changes() -
     assert c["resources"]["requests"]
     key = desired.CREDENTIALS_CHECKSUM
     assert spec["template"]["metadata"]["annotations"][key] != two["spec"]["template"]["metadata"]["annotations"][key]
+
+
+@pytest.mark.parametrize(("environment", "flags", "level"), [
+    ({}, [], "info"),
+    ({"KUBEVBMC_AGENT_LOG_LEVEL": "debug"}, [], "debug"),
+    ({"KUBEVBMC_AGENT_LOG_LEVEL": "debug"}, ["--agent-log-level", "warning"], "warning"),
+])
+def test_the_agent_log_level_setting_reaches_the_agents_own_flag(monkeypatch: pytest.MonkeyPatch,
+                                                                 environment: dict[str, str], flags: list[str],
+                                                                 level: str) -> None:
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    controller_flags = argparse.ArgumentParser()
+    add_arguments(controller_flags)
+    settings = settings_from(controller_flags.parse_args(flags))
+    tls = desired.desired_tls_secret(bmc(), "vm", certificates.TLSMaterial(b"c", b"k", b"a"))
+    container = desired.desired_deployment(bmc(), "vm", settings, secret(username="u", password="p"),
+                                           tls)["spec"]["template"]["spec"]["containers"][0]
+    # What the agent makes of its args: the level it logs at.
+    agent_flags = argparse.ArgumentParser()
+    agent.add_arguments(agent_flags)
+    assert agent_flags.parse_args(container["args"][1:]).log_level == level
+
+
+def test_an_agent_log_level_the_agent_does_not_know_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    controller_flags = argparse.ArgumentParser()
+    add_arguments(controller_flags)
+    with pytest.raises(SystemExit):
+        controller_flags.parse_args(["--agent-log-level", "verbose"])
+    assert "invalid choice: 'verbose'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("bmc_spec", "sec", "problem"), [

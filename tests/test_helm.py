@@ -41,7 +41,7 @@ CUSTOM: Obj = {
     "image": {"repository": "registry.example.com/infra/kubevbmc", "tag": "1.2.3", "pullPolicy": "Always"},
     "agent": {"image": {"repository": "registry.example.com/infra/kubevbmc-agent", "tag": "1.2.3-a",
                         "pullPolicy": "Never"},
-              "serviceType": "LoadBalancer"},
+              "serviceType": "LoadBalancer", "logLevel": "warning"},
     "imagePullSecrets": [{"name": "registry-creds"}],
     "watchNamespace": "bmcs",
     "workers": 2,
@@ -135,6 +135,7 @@ def test_helm_lint_finds_no_errors_and_no_warnings(values: Obj | None) -> None:
     ({"replicas": "2"}, "/replicas"),
     ({"replicas": 2, "leaderElection": {"enabled": False}}, "/leaderElection/enabled"),
     ({"agent": {"serviceType": "ExternalName"}}, "/agent/serviceType"),
+    ({"agent": {"logLevel": "trace"}}, "/agent/logLevel"),
     ({"logFormat": "xml"}, "/logFormat"),
     ({"logLevel": "verbose"}, "/logLevel"),
     ({"watchNamespace": "Not_A_Namespace"}, "/watchNamespace"),
@@ -229,6 +230,7 @@ def test_default_values_render_a_locked_down_controller_with_its_rbac(chart: hel
     assert settings.agent_image == f"ghcr.io/kubevbmc/kubevbmc:{APP_VERSION}"
     assert settings.agent_image_pull_policy == "IfNotPresent"
     assert settings.default_service_type == "ClusterIP"
+    assert settings.agent_log_level == "info"
     assert settings.namespace == ""  # every namespace
     assert settings.leader_elect and settings.lease_name == "kubevbmc"
     assert settings.metrics_address == "$(POD_IP):8080"
@@ -260,6 +262,7 @@ def test_custom_values_reach_the_pod_the_controller_flags_and_the_bindings(chart
     assert settings.agent_image == "registry.example.com/infra/kubevbmc-agent:1.2.3-a"
     assert settings.agent_image_pull_policy == "Never"
     assert settings.default_service_type == "LoadBalancer"
+    assert settings.agent_log_level == "warning"
     assert settings.namespace == "bmcs" and settings.workers == 2
     assert settings.leader_elect and settings.metrics_address == "$(POD_IP):9090"
     assert flag(container, "log-format") == "json" and flag(container, "log-level") == "debug"

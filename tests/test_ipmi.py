@@ -267,6 +267,21 @@ def test_chassis_identify_is_acknowledged_and_shown(bmc: IpmiServer) -> None:
     assert "Chassis Identify state              : off" in ok(freeipmi("ipmi-chassis", bmc, "--get-chassis-status"))
 
 
+def test_channel_info_shows_the_lan_channel_and_its_access(bmc: IpmiServer) -> None:
+    out = ok(ipmitool(bmc, "channel", "info", "1"))
+    assert "Channel Medium Type   : 802.3 LAN" in out
+    assert "Session Support       : multi-session" in out
+    assert "Active Session Count  : 1" in out  # ipmitool's own
+    volatile, non_volatile = out.split("Volatile(active) Settings")[1].split("Non-Volatile Settings")
+    for settings in (volatile, non_volatile):
+        assert "Alerting            : disabled" in settings  # no PEF, no alerts
+        assert "Per-message Auth    : enabled" in settings  # every RMCP+ message carries an integrity code
+        assert "User Level Auth     : enabled" in settings
+        assert "Access Mode         : always available" in settings
+    # The privilege limit, which ipmitool does not print: Administrator.
+    assert ok(ipmitool(bmc, "raw", "0x06", "0x41", "0x01", "0x80")).split() == ["22", "04"]
+
+
 def test_unknown_command_is_invalid_command(bmc: IpmiServer) -> None:
     result = ipmitool(bmc, "raw", "0x3a", "0x01")
     assert result.returncode != 0
@@ -333,6 +348,34 @@ def test_ipmi_chassis_status(bmc: IpmiServer, machine: MemoryMachine) -> None:
     out = ok(freeipmi("ipmi-chassis", bmc, "-I", "3", "--get-chassis-status"))
     assert "System Power                        : on" in out
     assert "Power restore policy                : Always off" in out
+
+
+def test_ipmi_config_sets_boot_flags_that_ipmi_chassis_reads_back(bmc: IpmiServer, machine: MemoryMachine) -> None:
+    """freeipmi's read-modify-write of parameter 5 works on what the BMC answers: the EFI bit it read is kept."""
+    ok(freeipmi("ipmi-config", bmc, "--category=chassis", "--commit",
+                "--key-pair=Chassis_Boot_Flags:Boot_Device=PXE"))
+    assert machine.boot_override() == BootOverride(BootTarget.PXE, BootEnabled.ONCE, BootMode.UEFI)
+    out = ok(freeipmi("ipmi-chassis", bmc, "--get-boot-flags"))
+    assert "Boot device selector          : Force PXE" in out
+    assert "BIOS boot type                : Extensible firmware Interface boot" in out
+    ok(freeipmi("ipmi-config", bmc, "--category=chassis", "--commit",
+                "--key-pair=Chassis_Boot_Flags:Boot_Device=CD-DVD",
+                "--key-pair=Chassis_Boot_Flags:Boot_Flags_Persistent=Yes"))
+    assert machine.boot_override() == BootOverride(BootTarget.CD, BootEnabled.CONTINUOUS, BootMode.UEFI)
+    assert "Boot device selector          : Force boot from default CD/DVD" in ok(
+        freeipmi("ipmi-chassis", bmc, "--get-boot-flags"))
+
+
+def test_ipmi_chassis_set_boot_flags_writes_back_what_it_read(bmc: IpmiServer, machine: MemoryMachine) -> None:
+    """freeipmi 1.6.x's `ipmi-chassis --set-boot-flags` has its read-modify-write inverted: a field given on the
+    command line gets the value just read from the BMC, a field not given gets 0. So `--boot-device=disk` sends
+    back the device the BMC has (PXE here) and, without `--boot-type`, legacy BIOS. See docs/troubleshooting.md."""
+    ok(ipmitool(bmc, "chassis", "bootdev", "pxe", "options=efiboot"))
+    ok(freeipmi("ipmi-chassis", bmc, "--set-boot-flags", "--boot-device=disk"))
+    out = ok(freeipmi("ipmi-chassis", bmc, "--get-boot-flags"))
+    assert "Boot device selector          : Force PXE" in out  # not the hard drive asked for
+    assert "BIOS boot type                : PC compatible boot\n" in out  # not the EFI it read
+    assert machine.boot_override() == BootOverride(BootTarget.PXE, BootEnabled.ONCE, BootMode.LEGACY)
 
 
 @pytest.mark.parametrize("cipher", ["3", "17"])
@@ -588,6 +631,24 @@ def test_cipher_suite_list_matches_what_sessions_accept() -> None:
 ])
 def test_channel_auth_capabilities(request_data: bytes, expected: tuple[Completion, bytes]) -> None:
     assert codec.channel_auth_capabilities(1, request_data) == expected
+
+
+@pytest.mark.parametrize(("request_data", "expected"), [
+    (b"\x01\x80", (Completion.OK, bytes([0x22, 0x04]))),  # volatile: always available, alerting off, Administrator
+    (b"\x01\x40", (Completion.OK, bytes([0x22, 0x04]))),  # non-volatile: the same, nothing is configurable
+    (b"\x0e\x80", (Completion.OK, bytes([0x22, 0x04]))),  # the channel asked on
+    (b"\x02\x80", (Completion.INVALID_DATA_FIELD, b"")),
+    (b"\x01\x00", (Completion.INVALID_DATA_FIELD, b"")),  # 00b and 11b are reserved
+    (b"\x01\xc0", (Completion.INVALID_DATA_FIELD, b"")),
+    (b"\x01", (Completion.REQUEST_DATA_LENGTH_INVALID, b"")),
+])
+def test_channel_access(request_data: bytes, expected: tuple[Completion, bytes]) -> None:
+    assert codec.channel_access(1, request_data) == expected
+
+
+def test_channel_info_counts_active_sessions() -> None:
+    assert codec.channel_info(1, b"\x0e", active_sessions=3) == (
+        Completion.OK, bytes([1, 0x04, 0x01, 0x83, 0xF2, 0x1B, 0x00, 0, 0]))
 
 
 def test_ipmi_message_round_trip() -> None:

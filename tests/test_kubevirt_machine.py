@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from vbmc.kube import Credentials, KubeClient, load_credentials
+from vbmc.ipmi.server import WRITE_DEADLINE
+from vbmc.kube import Credentials, KubeClient, load_credentials, merge_patched
 from vbmc.kubevirt import KubeVirtMachine
 from vbmc.machine import (
     BackendUnavailable,
@@ -128,6 +129,35 @@ def test_boot_once_applies_to_the_next_boot_and_is_then_reverted(api: client.Api
     assert second
 
 
+def test_boot_override_returns_once_its_record_is_stored(api: client.ApiClient, namespace: str,
+                                                         machine: KubeVirtMachine) -> None:
+    started = time.monotonic()
+    machine.set_boot_override(BootOverride(BootTarget.PXE, BootEnabled.ONCE, BootMode.UEFI))
+    assert time.monotonic() - started < WRITE_DEADLINE / 2
+    assert machine.boot_override() == BootOverride(BootTarget.PXE, BootEnabled.ONCE, BootMode.UEFI)
+    bmc = call(api, "GET", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{namespace}/virtualmachinebmcs/vm").body
+    # No device had a bootOrder: the merge patch's nulls are not stored, the maps stay (empty).
+    assert bmc["status"]["bootOverride"]["originalOrder"] == {"disks": {}, "interfaces": {}}
+
+    started = time.monotonic()
+    machine.set_boot_override(BootOverride(BootTarget.CD, BootEnabled.CONTINUOUS, BootMode.UEFI))
+    machine.set_boot_override(BootOverride(BootTarget.NONE, BootEnabled.DISABLED, BootMode.UEFI))
+    assert time.monotonic() - started < WRITE_DEADLINE
+    assert machine.boot_override().enabled == BootEnabled.DISABLED
+    assert boot_orders(get_vm(api, namespace)) == {"root": None, "cdrom": None, "default": None}
+
+
+@pytest.mark.parametrize(("target", "patch", "stored"), [
+    (None, {"a": 1}, {"a": 1}),
+    ({"a": 1, "b": 2}, {"a": None}, {"b": 2}),
+    ({"s": {"r": {"x": 1}}}, {"s": {"r": {"d": {"root": None, "cd": 2}}}}, {"s": {"r": {"x": 1, "d": {"cd": 2}}}}),
+    ({"s": {"r": {"x": 1}}}, {"s": {"r": None}}, {"s": {}}),
+    ({"a": [1, 2]}, {"a": [None]}, {"a": [None]}),  # lists are replaced whole, nulls and all
+])
+def test_merge_patch_stores_what_rfc_7386_says(target: Any, patch: Any, stored: Any) -> None:
+    assert merge_patched(target, patch) == stored
+
+
 def test_boot_once_survives_an_agent_restart(api: client.ApiClient, namespace: str, machine_factory: Any) -> None:
     make_vm(api, namespace, run_strategy="Manual")
     make_bmc(api, namespace)
@@ -183,9 +213,17 @@ def test_virtual_media_without_a_cdrom_is_a_clear_error(api: client.ApiClient, n
     make_vm(api, namespace, cdrom=False)
     make_bmc(api, namespace)
     machine = machine_factory()
-    with pytest.raises(InvalidRequest, match="no cdrom"):
+    no_cdrom = "the VM has no cdrom disk: add an empty cdrom disk to its template to use virtual media"
+    assert machine.media_slots() == ("Cd",)  # the slot is there, like a physical BMC's virtual CD ...
+    media = machine.virtual_media()
+    assert (media.state, media.message, media.inserted) == (MediaState.ABSENT, no_cdrom, False)  # ... with no drive
+    with pytest.raises(Unsupported) as raised:
         machine.insert_media("http://images.example.com/installer.iso")
-    assert machine.media_slots() == ()
+    assert str(raised.value) == no_cdrom
+    with pytest.raises(Unsupported):
+        machine.eject_media()
+    dv = call(api, "GET", f"/apis/cdi.kubevirt.io/v1beta1/namespaces/{namespace}/datavolumes/vm-cdrom")
+    assert dv.status == 404
 
 
 def test_unreachable_api_server_is_backend_unavailable_within_two_seconds(tmp_path: Path) -> None:

@@ -543,14 +543,46 @@ def test_patch_of_image_and_inserted_as_sushy_does(service: Service) -> None:
     assert resp.status_code == 200 and not service.machine.virtual_media().inserted
 
 
-def test_no_cdrom_means_no_virtual_media() -> None:
-    gen = serve(MemoryMachine("vm1", has_cdrom=False))
-    svc = next(gen)
-    try:
-        assert "VirtualMedia" not in svc.get(SYSTEM).json()
-        assert svc.get("/redfish/v1/Managers/BMC/VirtualMedia").status_code == 404
-    finally:
-        gen.close()
+NO_CDROM = "the VM has no cdrom disk: add an empty cdrom disk to its template to use virtual media"
+
+
+@pytest.fixture
+def cdromless_service() -> Iterator[Service]:
+    yield from serve(MemoryMachine("vm1", has_cdrom=False))
+
+
+def test_without_a_cdrom_the_cd_slot_is_absent_and_says_why(cdromless_service: Service) -> None:
+    svc = cdromless_service
+    for owner in (SYSTEM, "/redfish/v1/Managers/BMC"):
+        collection = svc.get(svc.get(owner).json()["VirtualMedia"]["@odata.id"]).json()
+        assert [m["@odata.id"] for m in collection["Members"]] == [f"{owner}/VirtualMedia/Cd"]
+    cd = svc.get(CD).json()
+    assert cd["Status"] == {"State": "Absent"}
+    assert cd["Inserted"] is False and cd["ConnectedVia"] == "NotConnected"
+    assert cd["Description"] == NO_CDROM
+    assert "Actions" not in cd  # nothing to insert into: the actions are not offered
+
+
+def test_insert_media_without_a_cdrom_is_action_not_supported_with_the_reason(cdromless_service: Service) -> None:
+    resp = cdromless_service.request("POST", f"{CD}/Actions/VirtualMedia.InsertMedia",
+                                     json={"Image": "http://x/y.iso", "Inserted": True})
+    assert resp.status_code == 400 and message_ids(resp) == ["ActionNotSupported"]
+    error = resp.json()["error"]
+    assert error["message"].endswith(NO_CDROM)
+    assert error["@Message.ExtendedInfo"][0]["MessageArgs"] == ["VirtualMedia.InsertMedia"]
+    eject = cdromless_service.request("POST", f"{CD}/Actions/VirtualMedia.EjectMedia", json={})
+    assert eject.status_code == 400 and message_ids(eject) == ["ActionNotSupported"]
+
+
+def test_sushy_insert_without_a_cdrom_reports_the_reason(cdromless_service: Service) -> None:
+    # With no InsertMedia action offered, sushy (Ironic) PATCHes Image instead.
+    root = sushy.Sushy(f"{cdromless_service.url}/redfish/v1", auth=sushy_auth.BasicAuth(USER, PASSWORD))
+    media = root.get_system(SYSTEM).virtual_media.get_members()[0]
+    with pytest.raises(sushy.exceptions.HTTPError) as raised:
+        media.insert_media("http://images.example/boot.iso", inserted=True, write_protected=True)
+    assert raised.value.status_code == 409
+    assert "PropertyValueResourceConflict" in str(raised.value) and NO_CDROM in str(raised.value)
+    assert not cdromless_service.machine.virtual_media().inserted
 
 
 # ---- gunicorn: TLS, both listeners in one worker, hooks, SIGTERM, memory

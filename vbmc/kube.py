@@ -184,3 +184,17 @@ class KubeClient:
 
     def close(self) -> None:
         self._pool.clear()
+
+
+def merge_patched(target: Any, patch: Any) -> Any:
+    """What the API server stores after a JSON merge patch (RFC 7386): objects merge key by key, a null deletes
+    its key (so a null inside the patch never reaches the stored object), anything else replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patched(merged.get(key), value)
+    return merged

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from . import bootorder, vmstate
-from .kube import KubeClient, KubeError, Unreachable
+from .kube import KubeClient, KubeError, Unreachable, merge_patched
 from .machine import (
     BackendUnavailable,
     BootEnabled,
@@ -45,6 +45,8 @@ CDI = "/apis/cdi.kubevirt.io/v1beta1"
 BMC = "/apis/bmc.kubevirt.io/v1beta1"
 JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
+NO_CDROM = "the VM has no cdrom disk: add an empty cdrom disk to its template to use virtual media"
+SETTLE = 0.3  # seconds a write waits for the watch cache to show it (normally milliseconds)
 
 SUPPORTED_RESETS = (ResetType.ON, ResetType.FORCE_ON, ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN,
                     ResetType.GRACEFUL_RESTART, ResetType.FORCE_RESTART, ResetType.POWER_CYCLE,
@@ -163,7 +165,11 @@ class KubeVirtMachine(Machine):
             if exc.status == 422 and "test" in exc.message.lower():
                 raise BackendUnavailable("the VM changed while it was being updated; try again", 1) from exc
             raise InvalidRequest(f"the VM patch was refused: {exc.message}") from exc
-        return result if isinstance(result, dict) else self._vm()
+        if not isinstance(result, dict):
+            return self._vm()
+        # Read your own write: the next read (the boot mode, the medium) answers from the cache.
+        self.vm_watch.wait(lambda o: (o or {}).get("spec") == result.get("spec"), SETTLE)
+        return result
 
     def _event(self, reason: str, message: str, kind: str = "Normal") -> None:
         """A Kubernetes Event on the VirtualMachineBMC (or the VM), for `kubectl describe`; best effort."""
@@ -297,21 +303,30 @@ class KubeVirtMachine(Machine):
 
     def _boot_record(self) -> Obj | None:
         if self.bmc_watch is not None:
-            bmc = self.bmc_watch.obj or {}
-            return (bmc.get("status") or {}).get("bootOverride") or None
+            return _stored_record(self.bmc_watch.obj)
         return self._record
 
     def _write_record(self, record: Obj | None) -> None:
+        """Write the boot override record (None removes it) and let the watch cache catch up with it.
+
+        The write is a merge patch, which stores something else than it sends: a null deletes its key, so the
+        devices without a bootOrder in `originalOrder` are absent from the stored record. The cache is compared
+        with what the server stores (its answer), never with the record as sent, which it would never equal.
+        """
         if self.bmc_watch is None:
             self._record = record
             return
         body = {"status": {"bootOverride": record}}
+        if _stored_record(merge_patched(self.bmc_watch.obj, body)) == self._boot_record():
+            return  # the cache already holds it: nothing to write, nothing to wait for
         try:
-            self._call("PATCH", f"{self.bmc_path}/status", body, content_type=MERGE_PATCH)
+            stored = self._call("PATCH", f"{self.bmc_path}/status", body, content_type=MERGE_PATCH)
         except KubeError as exc:
             raise BackendUnavailable(f"could not record the boot override: {exc.message}") from exc
-        want = record or None
-        self.bmc_watch.wait(lambda o: ((o or {}).get("status") or {}).get("bootOverride") == want, 1.0)
+        want = _stored_record(stored if isinstance(stored, dict) else merge_patched(self.bmc_watch.obj, body))
+        # Reads (Get System Boot Options, the Redfish System) answer from the cache. Its watch event normally
+        # follows the answer within milliseconds; a lagging watch must not hold the write past the IPMI deadline.
+        self.bmc_watch.wait(lambda o: _stored_record(o) == want, SETTLE)
 
     def boot_override(self) -> BootOverride:
         vm = self._vm()
@@ -329,8 +344,9 @@ class KubeVirtMachine(Machine):
                 raise Unsupported(f"KubeVirt cannot boot a VM into {override.target}")
             ops = self._mode_ops(vm, override.mode)
             record = self._boot_record()
-            original = (bootorder.DeviceOrder.from_status(record["originalOrder"])
-                        if record and record.get("originalOrder") else bootorder.current_order(vm))
+            # An originalOrder of only devices without a bootOrder is stored as empty maps: still the original.
+            original = (bootorder.DeviceOrder.from_status(record["originalOrder"] or {})
+                        if record and "originalOrder" in record else bootorder.current_order(vm))
             if override.enabled == BootEnabled.DISABLED or override.target == BootTarget.NONE:
                 if record:
                     ops += bootorder.order_patch(vm, original)
@@ -393,18 +409,18 @@ class KubeVirtMachine(Machine):
 
     # ---- virtual media
 
-    def _cdrom(self, vm: Obj, slot: str) -> str:
-        if slot != "Cd":
+    def _cdrom(self, vm: Obj, slot: str) -> str | None:
+        """The cdrom disk behind a slot: the VM's first; None when it has none."""
+        if slot not in self.media_slots():
             raise InvalidRequest(f"no virtual media slot {slot!r}")
         disks, _ = bootorder.devices(vm)
-        for disk in disks:
-            if bootorder.is_cdrom(disk):
-                return str(disk["name"])
-        raise InvalidRequest("the VM has no cdrom disk: add an empty cdrom disk to its template to use virtual media")
+        return next((str(disk["name"]) for disk in disks if bootorder.is_cdrom(disk)), None)
 
-    def media_slots(self) -> tuple[str, ...]:
-        disks, _ = bootorder.devices(self._vm())
-        return ("Cd",) if any(bootorder.is_cdrom(d) for d in disks) else ()
+    def _drive(self, vm: Obj, slot: str) -> str:
+        disk = self._cdrom(vm, slot)
+        if disk is None:
+            raise Unsupported(NO_CDROM)
+        return disk
 
     def _volume(self, vm: Obj, disk: str) -> tuple[int, Obj] | None:
         for index, volume in enumerate(vmstate.template_spec(vm).get("volumes") or []):
@@ -418,6 +434,8 @@ class KubeVirtMachine(Machine):
     def virtual_media(self, slot: str = "Cd") -> VirtualMedia:
         vm = self._vm()
         disk = self._cdrom(vm, slot)
+        if disk is None:
+            return VirtualMedia(slot, state=MediaState.ABSENT, message=NO_CDROM)
         found = self._volume(vm, disk)
         if found is None:
             return VirtualMedia(slot)
@@ -447,7 +465,7 @@ class KubeVirtMachine(Machine):
             raise InvalidRequest(f"the image must be an http or https URL: {image!r}")
         with self._lock:
             vm = self._vm()
-            disk = self._cdrom(vm, slot)
+            disk = self._drive(vm, slot)
             if self._volume(vm, disk) is not None:
                 raise InvalidRequest("a medium is already inserted: eject it first")
             owner = self.bmc_watch.obj if self.bmc_watch is not None and self.bmc_watch.obj else vm
@@ -482,7 +500,7 @@ class KubeVirtMachine(Machine):
     def eject_media(self, slot: str = "Cd") -> None:
         with self._lock:
             vm = self._vm()
-            disk = self._cdrom(vm, slot)
+            disk = self._drive(vm, slot)
             found = self._volume(vm, disk)
             if found is not None:
                 index = found[0]
@@ -497,3 +515,8 @@ class KubeVirtMachine(Machine):
 
 def _not_running(exc: KubeError) -> bool:
     return "not running" in exc.message
+
+
+def _stored_record(bmc: Obj | None) -> Obj | None:
+    """The boot override record in a VirtualMachineBMC, None when there is none."""
+    return ((bmc or {}).get("status") or {}).get("bootOverride") or None

@@ -67,6 +67,7 @@ class MediaState(StrEnum):
     INSERTING = "Inserting"  # the image is being imported
     INSERTED = "Inserted"
     FAILED = "Failed"
+    ABSENT = "Absent"  # the slot has no drive behind it (a VM without a cdrom disk): nothing can be inserted
 
 
 @dataclass(frozen=True)
@@ -184,13 +185,18 @@ class Machine(abc.ABC):
     def inventory(self) -> Inventory: ...
 
     @abc.abstractmethod
-    def virtual_media(self, slot: str = "Cd") -> VirtualMedia: ...
+    def virtual_media(self, slot: str = "Cd") -> VirtualMedia:
+        """The medium in a slot; state ABSENT, with the reason as message, when the slot has no drive."""
 
     @abc.abstractmethod
-    def insert_media(self, image: str, slot: str = "Cd", write_protected: bool = True) -> None: ...
+    def insert_media(self, image: str, slot: str = "Cd", write_protected: bool = True) -> None:
+        """Insert an image; raises Unsupported when the slot has no drive, InvalidRequest when one is in."""
 
     @abc.abstractmethod
-    def eject_media(self, slot: str = "Cd") -> None: ...
+    def eject_media(self, slot: str = "Cd") -> None:
+        """Eject the medium (nothing in: nothing to do); raises Unsupported when the slot has no drive."""
 
     def media_slots(self) -> tuple[str, ...]:
+        """The virtual media slots the BMC has, like the virtual CD of a physical BMC: present whether or not the
+        machine has a drive behind them (see virtual_media)."""
         return ("Cd",)

@@ -42,6 +42,7 @@ GET_SYSTEM_GUID = 0x37
 GET_CHANNEL_AUTH_CAPABILITIES = 0x38
 SET_SESSION_PRIVILEGE_LEVEL = 0x3B
 CLOSE_SESSION = 0x3C
+GET_CHANNEL_ACCESS = 0x41
 GET_CHANNEL_INFO = 0x42
 GET_CHANNEL_CIPHER_SUITES = 0x54
 
@@ -362,13 +363,41 @@ def channel_auth_capabilities(channel: int, request: bytes) -> tuple[Completion,
     return Completion.OK, bytes([channel, auth_types, status, extended, 0, 0, 0, 0])
 
 
-def channel_info(channel: int, request: bytes) -> tuple[Completion, bytes]:
-    """Get Channel Info (table 22-29) for the one LAN channel: 802.3 LAN, IPMB-v1.0 protocol, multi-session."""
+def channel_info(channel: int, request: bytes, active_sessions: int = 0) -> tuple[Completion, bytes]:
+    """Get Channel Info (table 22-29) for the one LAN channel: 802.3 LAN, IPMB-v1.0 protocol, multi-session with
+    the number of active sessions, the IPMI Forum's IANA number as protocol vendor."""
     if not request:
         return Completion.REQUEST_DATA_LENGTH_INVALID, b""
     if request[0] & 0x0F not in (channel, 0x0E):
         return Completion.INVALID_DATA_FIELD, b""
     medium_lan_802_3 = 0x04
     protocol_ipmb = 0x01
-    multi_session = 0x80
+    multi_session = 0x80 | min(active_sessions, 0x3F)
     return Completion.OK, bytes([channel, medium_lan_802_3, protocol_ipmb, multi_session, 0xF2, 0x1B, 0x00, 0, 0])
+
+
+# Get Channel Access (section 22.23, table 22-28), data 1 bits 7:6 of the request: which settings to read.
+CHANNEL_ACCESS_NON_VOLATILE = 0b01
+CHANNEL_ACCESS_VOLATILE = 0b10
+
+
+def channel_access(channel: int, request: bytes) -> tuple[Completion, bytes]:
+    """Get Channel Access for the one LAN channel. Nothing of it can be set (no Set Channel Access), so the
+    non-volatile and the volatile (active) settings are the same, and say what the BMC enforces:
+
+    - bit 5, PEF alerting: 1 = disabled (there is no PEF and no alert destination);
+    - bit 4, per-message authentication: 0 = enabled (every RMCP+ message after activation carries an integrity
+      code, section 13.28.4);
+    - bit 3, user level authentication: 0 = enabled (User-level commands need the session as much as the rest);
+    - bits 2:0, access mode: 010b, always available;
+    - data 2 bits 3:0, channel privilege level limit: Administrator (what the one user gets).
+    """
+    if len(request) < 2:
+        return Completion.REQUEST_DATA_LENGTH_INVALID, b""
+    if request[0] & 0x0F not in (channel, 0x0E):
+        return Completion.INVALID_DATA_FIELD, b""
+    if request[1] >> 6 not in (CHANNEL_ACCESS_NON_VOLATILE, CHANNEL_ACCESS_VOLATILE):
+        return Completion.INVALID_DATA_FIELD, b""
+    alerting_disabled = 0x20
+    always_available = 0b010
+    return Completion.OK, bytes([alerting_disabled | always_available, Privilege.ADMINISTRATOR])

@@ -86,6 +86,7 @@ class IpmiServer:
                 "get_channel_auth_capabilities", Privilege.CALLBACK, self._get_channel_auth_capabilities),
             (app, codec.GET_CHANNEL_CIPHER_SUITES): Command(
                 "get_channel_cipher_suites", Privilege.CALLBACK, self._get_channel_cipher_suites),
+            (app, codec.GET_CHANNEL_ACCESS): Command("get_channel_access", user, self._get_channel_access),
             (app, codec.GET_CHANNEL_INFO): Command("get_channel_info", user, self._get_channel_info),
             (chassis, codec.GET_CHASSIS_STATUS): Command("get_chassis_status", user, self._get_chassis_status),
             (chassis, codec.CHASSIS_CONTROL): Command("chassis_control", operator, self._chassis_control, True),
@@ -308,7 +309,11 @@ class IpmiServer:
         return Reply(*codec.cipher_suites_page(LAN_CHANNEL, data))
 
     def _get_channel_info(self, data: bytes) -> Reply:
-        return Reply(*codec.channel_info(LAN_CHANNEL, data))
+        active = sum(1 for session in self._sessions.values() if session.state is State.ACTIVE)
+        return Reply(*codec.channel_info(LAN_CHANNEL, data, active))
+
+    def _get_channel_access(self, data: bytes) -> Reply:
+        return Reply(*codec.channel_access(LAN_CHANNEL, data))
 
     # ---- chassis (netfn Chassis)
 

@@ -435,22 +435,34 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         if request.method == "PATCH":
             check_if_match(current)
             patch = payloads.parse_patch(payloads.MediaPatch, body(), json.loads(current.body))
-            if patch.Inserted is False or patch.Image == "":
-                machine.eject_media(slot)
-            elif patch.Image is not None:
-                _check_image(patch.Image, "Image", None)
-                if machine.virtual_media(slot).inserted:
-                    machine.eject_media(slot)  # PATCHing a new Image replaces the medium, as on a real BMC
-                machine.insert_media(patch.Image, slot,
-                                     True if patch.WriteProtected is None else patch.WriteProtected)
-            elif patch.Inserted and not machine.virtual_media(slot).inserted:
-                raise RedfishError(400, "PropertyMissing", "Image", related="#/Image")
+            try:
+                if patch.Inserted is False or patch.Image == "":
+                    machine.eject_media(slot)
+                elif patch.Image is not None:
+                    _check_image(patch.Image, "Image", None)
+                    if machine.virtual_media(slot).inserted:
+                        machine.eject_media(slot)  # PATCHing a new Image replaces the medium, as on a real BMC
+                    machine.insert_media(patch.Image, slot,
+                                         True if patch.WriteProtected is None else patch.WriteProtected)
+                elif patch.Inserted and not machine.virtual_media(slot).inserted:
+                    raise RedfishError(400, "PropertyMissing", "Image", related="#/Image")
+            except Unsupported as exc:
+                # No drive behind the slot (a VM without a cdrom disk): the System's configuration is the conflict.
+                name, value = ("Image", patch.Image) if patch.Image else ("Inserted", bool(patch.Inserted))
+                raise RedfishError(409, "PropertyValueResourceConflict", name, value, ids.system,
+                                   detail=str(exc), related=f"#/{name}") from None
             current = rendered_media(base, slot)
         return send(current, etag=True)
 
+    def check_drive(owner: str, slot: str, action: str) -> None:
+        """404 for an unknown slot; ActionNotSupported, before the body is looked at, for one without a drive."""
+        shown = json.loads(rendered_media(media_base(owner), slot).body)
+        if shown["Status"]["State"] == "Absent":
+            raise RedfishError(400, "ActionNotSupported", action, detail=shown.get("Description", ""))
+
     def insert_media(owner: str, slot: str) -> Response:
-        rendered_media(media_base(owner), slot)  # 404 for an unknown slot
         action = "VirtualMedia.InsertMedia"
+        check_drive(owner, slot, action)
         parsed = payloads.parse_action(payloads.InsertMediaAction, body(), action)
         _check_image(parsed.Image, "Image", action)
         if not parsed.Inserted:
@@ -460,7 +472,7 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         return no_content()
 
     def eject_media(owner: str, slot: str) -> Response:
-        rendered_media(media_base(owner), slot)
+        check_drive(owner, slot, "VirtualMedia.EjectMedia")
         payloads.parse_action(payloads.EjectMediaAction, body(), "VirtualMedia.EjectMedia")
         machine.eject_media(slot)
         return no_content()

@@ -67,8 +67,7 @@ MESSAGES: Mapping[str, tuple[str, str, str]] = {
         "failed."),
     "ActionNotSupported": (
         "The action %1 is not supported by the resource.", "Critical",
-        "The action supplied cannot be resubmitted to the implementation.  Perhaps the action was invalid, the "
-        "wrong resource was the target or the implementation documentation may be of assistance."),
+        "Check the Actions property in the resource for the supported actions."),
     "ResourceNotFound": (
         "The requested resource of type %1 named '%2' was not found.", "Critical",
         "Provide a valid resource identifier and resubmit the request."),
@@ -86,6 +85,9 @@ MESSAGES: Mapping[str, tuple[str, str, str]] = {
     "PreconditionFailed": (
         "The ETag supplied did not match the ETag required to change this resource.", "Critical",
         "Try the operation again using the appropriate ETag."),
+    "PropertyValueResourceConflict": (
+        "The property '%1' with the requested value of '%2' could not be written because the value conflicts with "
+        "the state or configuration of the resource at '%3'.", "Warning", "None."),
     "ResourceInUse": (
         "The change to the requested resource failed because the resource is in use or in transition.",
         "Warning", "Remove the condition and resubmit the request if the operation failed."),

@@ -317,6 +317,13 @@ def virtual_media(base: str, media: VirtualMedia) -> dict[str, Any]:
     """`base` is the collection the medium is reached through (the Manager's or the System's)."""
     path = f"{base}/{media.slot}"
     doc = _head("VirtualMedia", path, media.slot, f"Virtual {media.slot}")
+    if media.state == MediaState.ABSENT:
+        # A slot with no drive behind it: "Absent" is Redfish's "a location where a device can be installed".
+        # No actions are offered, and the Description says what is missing.
+        doc.update({"MediaTypes": ["CD", "DVD"], "Image": None, "ImageName": None, "ConnectedVia": "NotConnected",
+                    "Inserted": False, "WriteProtected": media.write_protected, "Status": {"State": "Absent"},
+                    "Description": media.message})
+        return doc
     image = media.image or None
     failed = media.state == MediaState.FAILED
     doc.update({
