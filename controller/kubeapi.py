@@ -8,9 +8,13 @@ good at (configuration, credentials, connection pool) and does the (de)serialisa
 from __future__ import annotations
 
 import json
+import threading
+import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 
 Obj = dict[str, Any]
@@ -40,29 +44,47 @@ def connect(kubeconfig: str = "") -> client.ApiClient:
 
 
 class KubeApi:
+    """Requests on the official client's connection pool, configuration and credentials.
+
+    Its generic request path (parameter serialisation, and a credential refresh that rebuilds the configuration
+    on every call) cost more CPU than the request itself at scale (bench/controller.py); here the Authorization
+    header is refreshed through the same hook at most every AUTH_TTL seconds, as client-go caches credentials.
+    """
+
+    AUTH_TTL = 10.0
+
     def __init__(self, api_client: client.ApiClient, on_write: Any = None) -> None:
         self.api_client = api_client
         self.on_write = on_write  # called with (verb, path) after each successful write, for metrics
+        self._base = str(api_client.configuration.host).rstrip("/")
+        self._pool = api_client.rest_client.pool_manager
+        self._auth_lock = threading.Lock()
+        self._auth: dict[str, str] = {}
+        self._auth_until = 0.0
 
-    def _prepare(self, method: str, path: str, query: dict[str, str] | None, content_type: str,
-                 body: Any) -> tuple[str, str, dict[str, str], Any]:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
-        method_, url, headers, _body, _ = self.api_client.param_serialize(
-            method=method, resource_path=path, query_params=list((query or {}).items()), header_params=headers,
-            body=None, auth_settings=["BearerToken"])
-        return method_, url, headers, body
+    def _headers(self, content_type: str) -> dict[str, str]:
+        now = time.monotonic()
+        if now >= self._auth_until:
+            with self._auth_lock:
+                if now >= self._auth_until:
+                    setting = self.api_client.configuration.auth_settings().get("BearerToken")
+                    self._auth = {setting["key"]: setting["value"]} if setting and setting.get("value") else {}
+                    self._auth_until = now + self.AUTH_TTL
+        return {**self.api_client.default_headers, "Accept": "application/json", "Content-Type": content_type,
+                **self._auth}
+
+    def _url(self, path: str, query: dict[str, str] | None) -> str:
+        return self._base + path + ("?" + urllib.parse.urlencode(query) if query else "")
 
     def request(self, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
                 content_type: str = "application/json", timeout: float = 15.0) -> Obj:
-        method_, url, headers, data = self._prepare(method, path, query, content_type, body)
+        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         try:
-            resp = self.api_client.rest_client.request(method_, url, headers=headers, body=data,
-                                                       _request_timeout=timeout)
-            raw = resp.read() or b""
-        except client.ApiException as exc:
-            raise ApiError(int(exc.status or 0), str(exc.reason), str(exc.body)) from exc
+            resp = self._pool.request(method, self._url(path, query), body=data, headers=self._headers(content_type),
+                                      timeout=urllib3.Timeout(total=timeout), retries=False, preload_content=True)
         except Exception as exc:  # urllib3 and socket errors: the server could not be reached
             raise ApiError(0, "Unreachable", f"{method} {path}: {exc}") from exc
+        raw = resp.data or b""
         try:
             payload: Any = json.loads(raw) if raw else {}
         except ValueError:
@@ -77,25 +99,23 @@ class KubeApi:
 
     def stream(self, path: str, query: dict[str, str], read_timeout: float) -> Iterator[Obj]:
         """The events of one watch request until the server ends it."""
-        method_, url, headers, _ = self._prepare("GET", path, {**query, "watch": "true"}, "application/json", None)
         try:
-            resp = self.api_client.rest_client.request(method_, url, headers=headers,
-                                                       _request_timeout=(10, read_timeout))
+            resp = self._pool.request("GET", self._url(path, {**query, "watch": "true"}),
+                                      headers=self._headers("application/json"), retries=False,
+                                      timeout=urllib3.Timeout(connect=10, read=read_timeout), preload_content=False)
         except Exception as exc:
             raise ApiError(0, "Unreachable", f"watch {path}: {exc}") from exc
-        raw = resp.response
         try:
             if resp.status >= 400:
                 try:
-                    status = json.loads(raw.read())
+                    status = json.loads(resp.read())
                 except ValueError:
                     status = {}
                 raise ApiError(resp.status, str(status.get("reason", "")), str(status.get("message", "")))
             buffer = b""
-            for chunk in raw.stream(65536):
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
+            for chunk in resp.stream(65536):
+                *lines, buffer = (buffer + chunk).split(b"\n")
+                for line in lines:
                     if line.strip():
                         yield json.loads(line)
         except ApiError:
@@ -103,4 +123,4 @@ class KubeApi:
         except Exception as exc:
             raise ApiError(0, "Unreachable", f"watch {path}: {exc}") from exc
         finally:
-            raw.release_conn()
+            resp.release_conn()

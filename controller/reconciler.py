@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -114,6 +115,8 @@ class Reconciler:
         # What this controller wrote, by (kind, ns, name), until the cache shows that resourceVersion or newer.
         self._written: dict[tuple[str, str, str], Obj] = {}
         self._lock = threading.Lock()
+        for kind, informer in (("VirtualMachineBMC", caches.bmcs), *caches.children.items()):
+            informer.handlers.append(functools.partial(self._seen, kind))
 
     # ---- reading, with our own writes overlaid on a cache that may lag behind them
 
@@ -126,6 +129,15 @@ class Reconciler:
                 del self._written[(kind, namespace, name)]
                 return cached
         return written if written is not None and (cached is None or _rv(written) > _rv(cached)) else cached
+
+    def _seen(self, kind: str, old: Obj | None, new: Obj | None) -> None:
+        """The cache caught up with (or went past) what we wrote: forget our copy."""
+        meta = (new or old or {}).get("metadata") or {}
+        key = (kind, meta.get("namespace", ""), meta.get("name", ""))
+        with self._lock:
+            written = self._written.get(key)
+            if written is not None and (new is None or _rv(new) >= _rv(written)):
+                del self._written[key]
 
     def _remember(self, kind: str, obj: Obj) -> None:
         meta = obj.get("metadata") or {}

@@ -4,6 +4,7 @@ backs off exponentially per key on failures until `forget`."""
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import threading
@@ -15,7 +16,7 @@ class WorkQueue:
     def __init__(self, base_delay: float = 0.05, max_delay: float = 60.0) -> None:
         self.base_delay = base_delay
         self.max_delay = max_delay
-        self._queue: list[Hashable] = []
+        self._queue: collections.deque[Hashable] = collections.deque()
         self._dirty: set[Hashable] = set()
         self._processing: set[Hashable] = set()
         self._failures: dict[Hashable, int] = {}
@@ -67,14 +68,14 @@ class WorkQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
+                if self._shutdown:  # what is left is not drained: level-triggered, the next run resyncs it
+                    return None
                 self._promote()
                 if self._queue:
-                    key = self._queue.pop(0)
+                    key = self._queue.popleft()
                     self._processing.add(key)
                     self._dirty.discard(key)
                     return key
-                if self._shutdown:
-                    return None
                 wait = None if deadline is None else deadline - time.monotonic()
                 if self._waiting:
                     until_due = self._waiting[0][0] - time.monotonic()
