@@ -8,6 +8,8 @@ a set of names), but only referenced ones are kept, and VMs are kept slimmed to 
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -41,12 +43,105 @@ def refs(bmc: Obj) -> tuple[str, list[str]]:
     return vm, [s for s in secrets if s]
 
 
-def own_managed_fields(obj: Obj) -> Obj:
-    """Only this controller's managedFields entries are kept (the rest costs memory and is never read)."""
+# What the reconciler reads beyond the fields it applies: identity, ownership, server-assigned addresses, status.
+_KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp",
+                  "deletionTimestamp", "labels", "ownerReferences")
+_KEPT_SPEC = ("clusterIP", "clusterIPs")
+
+
+def without_managed_fields(obj: Obj) -> Obj:
+    (obj.get("metadata") or {}).pop("managedFields", None)
+    return _interned(obj)
+
+
+def slim_child(obj: Obj) -> Obj:
+    """A child as the reconciler needs it: what this controller applied (walked along its managedFields), plus
+    identity, ownership, server-assigned addresses and status. At 1,000 BMCs the full objects, with the fields
+    the server defaulted, were most of the controller's memory. Objects it never applied (a user's Secret) are
+    kept whole, without managedFields."""
     meta = obj.get("metadata") or {}
-    if "managedFields" in meta:
-        meta["managedFields"] = [m for m in meta["managedFields"] or [] if m.get("manager") == FIELD_MANAGER]
-    return obj
+    entries = [m for m in meta.get("managedFields") or []
+               if m.get("manager") == FIELD_MANAGER and m.get("operation") == "Apply"]
+    if not entries:
+        return without_managed_fields(obj)
+    fields: Obj = entries[0].get("fieldsV1") or {}
+    if len(entries) > 1:  # one per subresource at most; the controller applies only the main resource
+        fields = {}
+        for entry in entries:
+            _merge_fields(fields, entry.get("fieldsV1") or {})
+    out = _project(obj, fields)
+    out_meta = out.setdefault("metadata", {})
+    for key in _KEPT_METADATA:
+        if key in meta:
+            out_meta[key] = _interned(meta[key])
+    spec = obj.get("spec")
+    if isinstance(spec, dict):
+        for key in _KEPT_SPEC:
+            if key in spec:
+                out.setdefault("spec", {})[key] = spec[key]
+    if "status" in obj:
+        out["status"] = _interned(obj["status"])
+    out["apiVersion"], out["kind"] = obj.get("apiVersion"), obj.get("kind")
+    # stale_owned_keys reads which map keys we own: keep our entry for those maps only.
+    out_meta["managedFields"] = [{"manager": FIELD_MANAGER, "operation": "Apply",
+                                  "fieldsV1": _owned_maps(fields)}]
+    return out
+
+
+def _merge_fields(into: Obj, tree: Obj) -> None:
+    for key, child in tree.items():
+        _merge_fields(into.setdefault(key, {}), child if isinstance(child, dict) else {})
+
+
+def _interned(value: Any) -> Any:
+    """The same JSON value with its strings interned: thousands of children repeat the same keys and words."""
+    if isinstance(value, str):
+        return sys.intern(value)
+    if isinstance(value, dict):
+        return {sys.intern(k): _interned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interned(v) for v in value]
+    return value
+
+
+def _project(value: Any, fields: Obj) -> Any:
+    """`value` limited to the fieldsV1 tree `fields` (a leaf, or ".", keeps the whole value), strings interned."""
+    if not fields:
+        return _interned(value)
+    if isinstance(value, dict):
+        out = {}
+        for key, sub in fields.items():
+            if key.startswith("f:") and key[2:] in value:
+                out[sys.intern(key[2:])] = _project(value[key[2:]], sub)
+        return out
+    if isinstance(value, list):
+        keyed = [(json.loads(k[2:]), sub) for k, sub in fields.items() if k.startswith("k:")]
+        listed = {k[2:] for k in fields if k.startswith("v:")}
+        items = []
+        for item in value:
+            if isinstance(item, dict):
+                sub = next((sub for ident, sub in keyed if all(item.get(f) == v for f, v in ident.items())), None)
+                if sub is not None:
+                    items.append(_project(item, {k: v for k, v in sub.items() if k != "."}) or _interned(item))
+            elif json.dumps(item, separators=(",", ":")) in listed:
+                items.append(_interned(item))
+        return items
+    return _interned(value)
+
+
+def _owned_maps(fields: Obj) -> Obj:
+    out: Obj = {}
+    for path in (("metadata", "labels"), ("metadata", "annotations"),
+                 ("spec", "template", "metadata", "annotations")):
+        node: Any = fields
+        for part in path:
+            node = node.get("f:" + part) if isinstance(node, dict) else None
+        if node:
+            target = out
+            for part in path:
+                target = target.setdefault("f:" + part, {})
+            target.update({k: {} for k in node})
+    return out
 
 
 def slim_vm(vm: Obj) -> Obj:
@@ -69,12 +164,10 @@ class Caches:
         self._by_secret: dict[Key, set[str]] = {}  # (ns, secret) -> BMC names
         self._refs: dict[Key, tuple[str, list[str]]] = {}
         selector = f"{MANAGED_BY}={MANAGER}"
-        self.bmcs = Informer(api, BMCS, namespace=namespace)
+        self.bmcs = Informer(api, BMCS, namespace=namespace, transform=without_managed_fields)
         self.vms = Informer(api, VMS, namespace=namespace, keep=self._vm_wanted, transform=slim_vm)
-        self.secrets = Informer(api, SECRETS, namespace=namespace, keep=self._secret_wanted,
-                                transform=own_managed_fields)
-        self.children = {kind: Informer(api, k, namespace=namespace, label_selector=selector,
-                                        transform=own_managed_fields)
+        self.secrets = Informer(api, SECRETS, namespace=namespace, keep=self._secret_wanted, transform=slim_child)
+        self.children = {kind: Informer(api, k, namespace=namespace, label_selector=selector, transform=slim_child)
                          for kind, k in CHILD_KINDS.items() if kind != "Secret"}
         self.children["Secret"] = self.secrets
         self.bmcs.handlers.append(self._on_bmc)

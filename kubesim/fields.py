@@ -80,6 +80,23 @@ def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, o
     out[path] = value
 
 
+# field_values of stored objects, by identity (the cache holds the object, so the id stays its own).
+_values: dict[tuple[int, str], tuple[Obj, dict[Path, Any]]] = {}
+
+
+def _stored_field_values(rtype: ResourceType, obj: Obj, subresource: str) -> dict[Path, Any]:
+    hit = _values.get((id(obj), subresource))
+    if hit is not None and hit[0] is obj:
+        return hit[1]
+    return field_values(rtype, obj, subresource)
+
+
+def _remember_field_values(obj: Obj, subresource: str, values: dict[Path, Any]) -> None:
+    if len(_values) >= _DECODED_MAX:
+        _values.clear()
+    _values[(id(obj), subresource)] = (obj, values)
+
+
 def value_at(rtype: ResourceType, obj: Any, path: Path) -> Any:
     """The value at `path`, or a sentinel when absent."""
     node = obj
@@ -219,8 +236,9 @@ def track_update(rtype: ResourceType, old: Obj | None, new: Obj, manager: str, s
                  api_version: str, now: str) -> None:
     """Give `manager` (operation Update) the fields this write changed, taking them from everyone else."""
     entries = read_entries(old) if old is not None else []
-    before = field_values(rtype, old, subresource) if old is not None else {}
+    before = _stored_field_values(rtype, old, subresource) if old is not None else {}
     after = field_values(rtype, new, subresource)
+    _remember_field_values(new, subresource, after)  # `new` is about to be stored: its next write reads this
     changed = {p for p, v in after.items() if before.get(p, _ABSENT) != v}
     removed = before.keys() - after.keys()
     if changed or removed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 Obj = dict[str, Any]
@@ -17,9 +18,16 @@ def clone(value: Any) -> Any:
     return value
 
 
+_now_cache: tuple[int, str] = (0, "")
+
+
 def now() -> str:
-    """An RFC 3339 timestamp in UTC, second precision, as metav1.Time serialises."""
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """An RFC 3339 timestamp in UTC, second precision, as metav1.Time serialises (formatted once a second)."""
+    global _now_cache
+    second = int(time.time())
+    if _now_cache[0] != second:
+        _now_cache = (second, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(second)))
+    return _now_cache[1]
 
 
 def parse_time(text: str) -> float:

@@ -137,6 +137,16 @@ def field_matcher(rtype: ResourceType, text: str | None) -> Callable[[Obj], bool
     return match
 
 
+def selected_name(text: str | None) -> str | None:
+    """The name a field selector pins with `metadata.name=NAME` (alone or among other terms), else None: the
+    apiserver then reads one key instead of listing (MatchesSingle in the generic registry)."""
+    for part in _split_unescaped(text or ""):
+        m = re.match(r"^\s*metadata\.name\s*(==|=)(.*)$", part)
+        if m:
+            return m.group(2).strip().replace("\\,", ",").replace("\\=", "=")
+    return None
+
+
 def _split_unescaped(text: str) -> list[str]:
     parts, cur, escaped = [], "", False
     for ch in text:

@@ -22,8 +22,8 @@ from . import errors, protobuf
 from .jsonpath import evaluate
 from .objects import parse_time
 from .resources import ResourceType
-from .selectors import field_matcher, label_matcher
-from .store import APPLY, Store, decode_continue, encode_continue
+from .selectors import field_matcher, label_matcher, selected_name
+from .store import APPLY, Store, decode_continue, encode_continue, encoded
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -221,6 +221,17 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s - %s", self.address_string(), format % args)
 
+    _date: tuple[int, str] = (0, "")
+
+    def date_time_string(self, timestamp: float | None = None) -> str:
+        """The Date header, formatted once a second rather than on every response."""
+        if timestamp is not None:
+            return super().date_time_string(timestamp)
+        second = int(time.time())
+        if _Handler._date[0] != second:
+            _Handler._date = (second, super().date_time_string(second))
+        return _Handler._date[1]
+
     def do_GET(self) -> None:
         self._serve("GET")
 
@@ -292,8 +303,23 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, yaml.YAMLError) as exc:
             raise errors.bad_request(f"the body of the request could not be decoded: {exc}") from None
 
-    def _send_json(self, code: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(obj, separators=(",", ":")).encode()
+    def _send_object(self, code: int, obj: Obj) -> None:
+        """A stored object, as served at the requested version."""
+        out = self._out(obj)
+        self._send_json(code, out, data=encoded(obj) if out is obj else None)
+
+    def _send_list(self, rtype: ResourceType, meta: Obj, items: list[Obj]) -> None:
+        head = {"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version(self.version), "metadata": meta}
+        if self.version != rtype.version and rtype.group:
+            return self._send_json(200, {**head, "items": [self._out(o) for o in items]})
+        data = json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"items":[' + b",".join(
+            encoded(o) for o in items) + b"]}"
+        self._send_json(200, None, data=data)
+
+    def _send_json(self, code: int, obj: Any, headers: dict[str, str] | None = None, *,
+                   data: bytes | None = None) -> None:
+        if data is None:
+            data = json.dumps(obj, separators=(",", ":")).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -401,10 +427,11 @@ class _Handler(BaseHTTPRequestHandler):
             obj = self.api.store.get(rtype, namespace, name)
             if self._wants_table():
                 return self._send_json(200, self._table(rtype, [obj], obj["metadata"]["resourceVersion"]))
-            return self._send_json(200, self._out(obj))
+            return self._send_object(200, obj)
         store = self.api.store
+        selector = self.query.get("fieldSelector")
         items, rv = store.list(rtype, namespace, label_matcher(self.query.get("labelSelector")),
-                               field_matcher(rtype, self.query.get("fieldSelector")))
+                               field_matcher(rtype, selector), selected_name(selector))
         meta: Obj = {"resourceVersion": str(rv)}
         token = self.query.get("continue")
         if token:
@@ -419,8 +446,7 @@ class _Handler(BaseHTTPRequestHandler):
                                                                                tail["name"]))
         if self._wants_table():
             return self._send_json(200, self._table(rtype, items, meta["resourceVersion"], meta.get("continue")))
-        self._send_json(200, {"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version(self.version),
-                              "metadata": meta, "items": [self._out(o) for o in items]})
+        self._send_list(rtype, meta, items)
 
     def _body(self, raw: bytes) -> Obj:
         body = self._decode(raw, self.headers.get("Content-Type", "application/json"))
@@ -458,7 +484,7 @@ class _Handler(BaseHTTPRequestHandler):
         body["apiVersion"] = rtype.api_version()
         obj = self.api.store.create(rtype, body, namespace=namespace, manager=self._manager(),
                                     **self._write_options())
-        self._send_json(201, self._out(obj))
+        self._send_object(201, obj)
 
     def _update(self, rtype: ResourceType, namespace: str, name: str, sub: str, raw: bytes) -> None:
         if not name:
@@ -467,7 +493,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._check_kind(rtype, body)
         obj = self.api.store.update(rtype, body, namespace=namespace, name=name, subresource=sub,
                                     manager=self._manager(), **self._write_options())
-        self._send_json(200, self._out(obj))
+        self._send_object(200, obj)
 
     def _patch(self, rtype: ResourceType, namespace: str, name: str, sub: str, raw: bytes) -> None:
         if not name:
@@ -483,7 +509,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise errors.bad_request("force is only valid for apply patches")
         obj, created = self.api.store.patch(rtype, namespace, name, content_type, body, subresource=sub,
                                             manager=manager, force=force, **self._write_options())
-        self._send_json(201 if created else 200, self._out(obj))
+        self._send_object(201 if created else 200, obj)
 
     def _delete(self, rtype: ResourceType, namespace: str, name: str, sub: str, raw: bytes) -> None:
         opts = self._decode(raw, self.headers.get("Content-Type") or "application/json") if raw else {}
@@ -514,7 +540,7 @@ class _Handler(BaseHTTPRequestHandler):
         obj, gone = store.delete(rtype, namespace, name, propagation=propagation, grace_period=grace_period,
                                  preconditions=opts.get("preconditions"), dry_run=dry_run)
         if not gone or rtype.delete_returns_object:
-            return self._send_json(200, self._out(obj))
+            return self._send_object(200, obj)
         self._send_json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                               "details": {"name": name, "group": rtype.group, "kind": rtype.plural,
                                           "uid": obj["metadata"]["uid"]}})

@@ -53,8 +53,26 @@ class Event:
     def line(self) -> bytes:
         """The event as one line of a watch stream (serialised once, whatever the number of watchers)."""
         if self._line is None:
-            self._line = json.dumps({"type": self.type, "object": self.obj}, separators=(",", ":")).encode() + b"\n"
+            self._line = b'{"type":"' + self.type.encode() + b'","object":' + encoded(self.obj) + b"}\n"
         return self._line
+
+
+# The JSON of stored objects, by identity: a write's response, its watch events and later lists and GETs all
+# send the same bytes. Stored objects are never edited in place; the cache holds each one so its id stays its own.
+_encoded: dict[int, tuple[Obj, bytes]] = {}
+_ENCODED_MAX = 20000
+
+
+def encoded(obj: Obj) -> bytes:
+    """`obj` (a stored object) as compact JSON."""
+    hit = _encoded.get(id(obj))
+    if hit is not None and hit[0] is obj:
+        return hit[1]
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(_encoded) >= _ENCODED_MAX:
+        _encoded.clear()
+    _encoded[id(obj)] = (obj, data)
+    return data
 
 
 class Watcher:
@@ -185,12 +203,17 @@ class Store:
         return (rtype, obj) if rtype and obj else None
 
     def list(self, rtype: ResourceType, namespace: str = "", labels: Matcher = None,
-             fields_: Matcher = None) -> tuple[list[Obj], int]:
+             fields_: Matcher = None, name: str | None = None) -> tuple[list[Obj], int]:
+        """Objects matching the selectors, sorted; `name` (from a metadata.name field selector) reads only that
+        name's objects instead of the whole kind."""
         with self._lock:
             buckets = self._objects.get(rtype.key, {})
             scopes: Iterable[dict[str, Obj]] = (
                 [buckets.get(namespace, {})] if namespace else list(buckets.values()))
-            items = [o for scope in scopes for o in scope.values()]
+            if name is not None:
+                items = [o for scope in scopes if (o := scope.get(name)) is not None]
+            else:
+                items = [o for scope in scopes for o in scope.values()]
             rv = self._rv
         items = [o for o in items if (labels is None or labels(o)) and (fields_ is None or fields_(o))]
         items.sort(key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
@@ -398,18 +421,20 @@ class Store:
             return self._commit(rtype, DELETED, old, old), True
 
     def mutate(self, rtype: ResourceType, namespace: str, name: str, change: Callable[[Obj], bool | None], *,
-               subresource: str = "", manager: str = "kubesim") -> Obj | None:
-        """Read, change a copy, write; retried on conflict. `change` returns False to write nothing."""
+               subresource: str = "", manager: str = "kubesim", only: str = "") -> Obj | None:
+        """Read, change a copy, write; retried on conflict. `change` returns False to write nothing.
+
+        `only` names the one top-level field `change` edits ("metadata", "spec"; "status" through /status): only
+        that field is copied, the rest is shared with the stored version, which nobody edits in place."""
+        only = "status" if subresource == "status" else only
         for _ in range(20):
             cur = self.find(rtype, namespace, name)
             if cur is None:
                 return None
-            if subresource == "status":
-                # Only the status can change through /status: the rest is shared with the stored version,
-                # which nobody edits in place, and `change` must leave it alone.
+            if only:
                 new = {**cur, "metadata": dict(cur["metadata"])}
-                if "status" in cur:
-                    new["status"] = clone(cur["status"])
+                if only in cur:
+                    new[only] = clone(cur[only])
             else:
                 new = clone(cur)
             if change(new) is False:

@@ -528,7 +528,7 @@ class DeploymentController(ControlLoop):
 
         meta = new_rs["metadata"]
         new_rs = self.store.mutate(self.store.type("apps/replicasets"), meta.get("namespace", ""), meta["name"],
-                                   bump, manager="deployment-controller") or new_rs
+                                   bump, manager="deployment-controller", only="metadata") or new_rs
         self._set_deployment_revision(d, wanted)
         return new_rs
 
@@ -540,7 +540,7 @@ class DeploymentController(ControlLoop):
             obj["metadata"].setdefault("annotations", {})[REVISION] = str(revision)
 
         self.store.mutate(self.store.type("apps/deployments"), d["metadata"].get("namespace", ""),
-                          d["metadata"]["name"], change, manager="deployment-controller")
+                          d["metadata"]["name"], change, manager="deployment-controller", only="metadata")
 
     def _create_new(self, d: Obj, old_rss: list[Obj], replicas: int) -> Obj | None:
         store = self.store

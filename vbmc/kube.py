@@ -172,9 +172,8 @@ class KubeClient:
                 raise KubeError(resp.status, status.get("reason", ""), status.get("message", ""), status)
             buffer = b""
             for chunk in resp.stream(65536):
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
+                *lines, buffer = (buffer + chunk).split(b"\n")
+                for line in lines:
                     if line.strip():
                         yield json.loads(line)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
