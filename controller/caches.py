@@ -49,16 +49,19 @@ _KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "
 _KEPT_SPEC = ("clusterIP", "clusterIPs")
 
 
-def without_managed_fields(obj: Obj) -> Obj:
+def without_managed_fields(obj: Obj, _cached: Obj | None = None) -> Obj:
     (obj.get("metadata") or {}).pop("managedFields", None)
     return _interned(obj)
 
 
-def slim_child(obj: Obj) -> Obj:
+def slim_child(obj: Obj, cached: Obj | None = None) -> Obj:
     """A child as the reconciler needs it: what this controller applied (walked along its managedFields), plus
     identity, ownership, server-assigned addresses and status. At 1,000 BMCs the full objects, with the fields
     the server defaulted, were most of the controller's memory. Objects it never applied (a user's Secret) are
-    kept whole, without managedFields."""
+    kept whole, without managedFields.
+
+    A Deployment changes mostly in its status: when its generation and our apply's time are those of the cached
+    copy, what we applied is unchanged and the cached projection is reused."""
     meta = obj.get("metadata") or {}
     entries = [m for m in meta.get("managedFields") or []
                if m.get("manager") == FIELD_MANAGER and m.get("operation") == "Apply"]
@@ -69,22 +72,29 @@ def slim_child(obj: Obj) -> Obj:
         fields = {}
         for entry in entries:
             _merge_fields(fields, entry.get("fieldsV1") or {})
-    out = _project(obj, fields)
-    out_meta = out.setdefault("metadata", {})
+    # stale_owned_keys reads which map keys we own: our entry is kept for those maps only.
+    mine = [{"manager": FIELD_MANAGER, "operation": "Apply", "fieldsV1": _owned_maps(fields),
+             "times": [e.get("time") for e in entries]}]
+    cached_meta = (cached or {}).get("metadata") or {}
+    if cached is not None and "generation" in meta and meta.get("generation") == cached_meta.get("generation") \
+            and mine == cached_meta.get("managedFields"):
+        out = {k: v for k, v in cached.items() if k not in ("metadata", "spec", "status")}
+        out["spec"] = dict(cached.get("spec") or {})
+        out_meta = {k: v for k, v in cached_meta.items() if k not in _KEPT_METADATA}
+    else:
+        out = _project(obj, fields)
+        out_meta = {k: v for k, v in (out.get("metadata") or {}).items() if k not in _KEPT_METADATA}
+    out_meta["managedFields"] = mine
+    out["metadata"] = out_meta
     for key in _KEPT_METADATA:
         if key in meta:
             out_meta[key] = _interned(meta[key])
     spec = obj.get("spec")
-    if isinstance(spec, dict):
-        for key in _KEPT_SPEC:
-            if key in spec:
-                out.setdefault("spec", {})[key] = spec[key]
+    if isinstance(spec, dict) and any(key in spec for key in _KEPT_SPEC):
+        out["spec"] = {**(out.get("spec") or {}), **{key: spec[key] for key in _KEPT_SPEC if key in spec}}
     if "status" in obj:
         out["status"] = _interned(obj["status"])
     out["apiVersion"], out["kind"] = obj.get("apiVersion"), obj.get("kind")
-    # stale_owned_keys reads which map keys we own: keep our entry for those maps only.
-    out_meta["managedFields"] = [{"manager": FIELD_MANAGER, "operation": "Apply",
-                                  "fieldsV1": _owned_maps(fields)}]
     return out
 
 
@@ -144,7 +154,7 @@ def _owned_maps(fields: Obj) -> Obj:
     return out
 
 
-def slim_vm(vm: Obj) -> Obj:
+def slim_vm(vm: Obj, _cached: Obj | None = None) -> Obj:
     meta = vm.get("metadata") or {}
     disks = (((((vm.get("spec") or {}).get("template") or {}).get("spec") or {}).get("domain") or {})
              .get("devices") or {}).get("disks") or []
@@ -154,6 +164,18 @@ def slim_vm(vm: Obj) -> Obj:
             "spec": {"template": {"spec": {"domain": {"devices": {"disks": [
                 {"name": d.get("name"), **({"cdrom": {}} if "cdrom" in d else {})} for d in disks
                 if isinstance(d, dict)]}}}}}}
+
+
+def changed(old: Obj | None, new: Obj | None, ignore: tuple[str, ...] = ()) -> bool:
+    """Whether an event changed what the reconciler reads: more than the resourceVersion (and `ignore`)."""
+    if old is None or new is None:
+        return True
+
+    def seen(obj: Obj) -> Obj:
+        meta = {k: v for k, v in (obj.get("metadata") or {}).items() if k != "resourceVersion"}
+        return {**{k: v for k, v in obj.items() if k not in ignore}, "metadata": meta}
+
+    return seen(old) != seen(new)
 
 
 class Caches:
@@ -175,7 +197,7 @@ class Caches:
         self.secrets.handlers.append(self._on_secret)
         for kind, informer in self.children.items():
             if kind != "Secret":
-                informer.handlers.append(lambda old, new: self._on_child(old or new))
+                informer.handlers.append(self._on_child)
 
     def informers(self) -> list[Informer]:
         return [self.bmcs, self.vms, *self.children.values()]
@@ -220,6 +242,8 @@ class Caches:
     def _on_bmc(self, old: Obj | None, new: Obj | None) -> None:
         obj = new or old
         assert obj is not None
+        if not changed(old, new, ignore=("status",)):
+            return  # its status (ours, or the agent's boot record): nothing to reconcile
         meta = obj["metadata"]
         ns, name = meta["namespace"], meta["name"]
         before = self._refs.get((ns, name))
@@ -259,13 +283,15 @@ class Caches:
             self.enqueue((meta.get("namespace", ""), name))
 
     def _on_secret(self, old: Obj | None, new: Obj | None) -> None:
+        if not changed(old, new):
+            return
         obj = new or old
         self._by_index(self._by_secret, obj)
-        if obj is not None:
-            self._on_child(obj)
+        self._on_child(old, new)
 
-    def _on_child(self, obj: Obj | None) -> None:
-        if obj is None:
+    def _on_child(self, old: Obj | None, new: Obj | None) -> None:
+        obj = new or old
+        if obj is None or not changed(old, new):
             return
         meta = obj.get("metadata") or {}
         owners = {r.get("name") for r in meta.get("ownerReferences") or [] if r.get("kind") == KIND}

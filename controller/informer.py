@@ -43,14 +43,15 @@ def key_of(obj: Obj) -> Key:
 
 class Informer:
     def __init__(self, api: KubeApi, kind: Kind, *, namespace: str = "", label_selector: str = "",
-                 keep: Callable[[Obj], bool] | None = None, transform: Callable[[Obj], Obj] | None = None,
+                 keep: Callable[[Obj], bool] | None = None,
+                 transform: Callable[[Obj, Obj | None], Obj] | None = None,
                  watch_timeout: int = 300) -> None:
         self.api = api
         self.kind = kind
         self.namespace = namespace
         self.label_selector = label_selector
         self.keep = keep or (lambda _obj: True)
-        self.transform = transform or (lambda obj: obj)
+        self.transform = transform or (lambda obj, _cached: obj)  # (the event's object, what the cache holds)
         self.watch_timeout = watch_timeout
         self.handlers: list[Handler] = []
         self._items: dict[Key, Obj] = {}
@@ -127,7 +128,7 @@ class Informer:
         kept = not deleted and self.keep(obj)
         with self._lock:
             old = self._items.get(key)
-            new = self.transform(obj) if kept else None
+            new = self.transform(obj, old) if kept else None
             if new is not None:
                 self._items[key] = new
             elif old is not None:
