@@ -16,7 +16,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import celpy
 import jsonschema
 import pytest
 import yaml
@@ -25,7 +24,9 @@ from controller import cli as controller_cli
 from controller import desired, status
 from controller.reconciler import Reconciler
 from controller.spec import BMCSpec
+from kubesim import cel
 from kubesim import cli as sim_cli
+from kubesim.schema import apply_defaults
 from vbmc import agent as agent_cli
 from vbmc import demo as demo_cli
 from vbmc.ipmi import codec
@@ -490,43 +491,10 @@ def structural(schema: dict[str, Any], root: bool = False) -> dict[str, Any]:
     return out
 
 
-def with_defaults(schema: dict[str, Any], value: Any) -> Any:
-    if isinstance(value, dict):
-        props = schema.get("properties") or {}
-        for name, sub in props.items():
-            if name not in value and "default" in sub:
-                value[name] = copy.deepcopy(sub["default"])
-        for name, child in value.items():
-            if name in props:
-                value[name] = with_defaults(props[name], child)
-            elif isinstance(schema.get("additionalProperties"), dict):
-                value[name] = with_defaults(schema["additionalProperties"], child)
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-        return [with_defaults(schema["items"], v) for v in value]
-    return value
-
-
-def cel_violations(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
-    """The CRD's CEL rules that a new object breaks (transition rules, which need oldSelf, do not apply)."""
-    found = []
-    for rule in schema.get("x-kubernetes-validations") or []:
-        if "oldSelf" in rule["rule"]:
-            continue
-        env = celpy.Environment()
-        program = env.program(env.compile(rule["rule"]))
-        if not program.evaluate({"self": celpy.json_to_cel(value)}):
-            found.append(f"{path or '.'}: {rule.get('message', rule['rule'])}")
-    if isinstance(value, dict):
-        for name, child in value.items():
-            sub = (schema.get("properties") or {}).get(name)
-            if sub is None and isinstance(schema.get("additionalProperties"), dict):
-                sub = schema["additionalProperties"]
-            if sub is not None:
-                found += cel_violations(sub, child, f"{path}.{name}")
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-        for i, child in enumerate(value):
-            found += cel_violations(schema["items"], child, f"{path}[{i}]")
-    return found
+def cel_violations(schema: dict[str, Any], value: Any) -> list[str]:
+    """The CRD's CEL rules that a new object breaks, evaluated as kubesim evaluates them on a create."""
+    validator = cel.rule_validator(schema)
+    return [f"{c.get('field')}: {c.get('message')}" for c in validator(value, None)] if validator else []
 
 
 def crd_schema(path: Path) -> dict[str, Any]:
@@ -538,7 +506,7 @@ def crd_schema(path: Path) -> dict[str, Any]:
 def admitted(doc: dict[str, Any], schema: dict[str, Any]) -> list[str]:
     problems = [f"{'.'.join(map(str, e.absolute_path)) or '.'}: {e.message}"
                 for e in jsonschema.Draft7Validator(structural(schema, root=True)).iter_errors(doc)]
-    return problems + cel_violations(schema, with_defaults(schema, copy.deepcopy(doc)))
+    return problems + cel_violations(schema, apply_defaults(schema, copy.deepcopy(doc)))
 
 
 def manifests(kind: str) -> list[tuple[str, dict[str, Any]]]:
@@ -557,7 +525,8 @@ def test_the_crd_validation_used_here_refuses_what_the_api_server_refuses() -> N
     assert admitted(unknown, schema)
     neither = copy.deepcopy(good)
     neither["spec"].update(ipmi={"enabled": False}, redfish={"enabled": False})
-    assert admitted(neither, schema) == [".spec: at least one of ipmi and redfish must be enabled"]
+    assert admitted(neither, schema) == [
+        'spec: Invalid value: "object": at least one of ipmi and redfish must be enabled']
     wrong_type = copy.deepcopy(good)
     wrong_type["spec"]["service"] = {"type": "ExternalName"}
     assert admitted(wrong_type, schema)
