@@ -27,7 +27,7 @@ from .informer import Key
 from .kubeapi import APPLY, MERGE_PATCH, ApiError, KubeApi
 from .settings import Settings
 from .spec import BMCSpec
-from .status import Observed, desired_status, status_patch, transitions
+from .status import IN_PROGRESS, Observed, desired_status, status_patch, transitions
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -302,7 +302,9 @@ class Reconciler:
         result = self.api.request("PATCH", path, {"status": patch}, content_type=MERGE_PATCH)
         self._remember("VirtualMachineBMC", result)
         for cond in transitions(bmc.get("status"), want):
-            if cond["type"] == "Ready":  # its reason and message name the first thing that is not ready
+            # Ready's reason and message name the first thing that is not ready. A rollout in progress is no
+            # problem: it shows in the condition (and the agent's own Events), not as a Warning.
+            if cond["type"] == "Ready" and cond["reason"] not in IN_PROGRESS:
                 ok = cond["status"] == "True"
                 self.recorder.event(bmc, "Normal" if ok else "Warning", cond["reason"], cond["message"])
         return Result()

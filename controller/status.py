@@ -36,6 +36,10 @@ class Observed:
     blocked_by: str = ""  # a child of that name exists and is controlled by someone else
 
 
+# Reasons for Ready=False while the agent rolls out normally (no Event: not a problem).
+IN_PROGRESS = frozenset({"AgentProgressing", "AgentNotReady", "ServicePending"})
+
+
 def agent_readiness(deployment: Obj | None) -> tuple[bool, str, str]:
     """From the Deployment's status: ready when the current generation's pod is ready (not just a ClusterIP)."""
     if deployment is None:

@@ -178,3 +178,32 @@ def test_api_errors_are_retried_with_backoff_and_nothing_is_duplicated(
     assert names == ["vm-virtbmc"]
     services = call(api, "GET", f"/api/v1/namespaces/{namespace}/services").body["items"]
     assert [s["metadata"]["name"] for s in services] == ["vm-virtbmc"]
+
+
+def bmc_events(api: client.ApiClient, ns: str, name: str = "vm") -> list[dict[str, Any]]:
+    items = call(api, "GET", f"/api/v1/namespaces/{ns}/events").body["items"]
+    return [e for e in items if e["involvedObject"].get("kind") == "VirtualMachineBMC"
+            and e["involvedObject"]["name"] == name and e.get("source", {}).get("component") == "kubevbmc-controller"]
+
+
+def test_events_tell_what_was_created_and_what_is_wrong_without_warning_about_a_normal_rollout(
+        api: client.ApiClient, namespace: str, controller: ControllerProcess) -> None:
+    make_secret(api, namespace)
+    apply_bmc(api, namespace)
+    wait_for(lambda: any(e["reason"] == "VirtualMachineNotFound" for e in bmc_events(api, namespace)), timeout=10,
+             what="a Warning for the missing VM")
+    make_vm(api, namespace)
+    wait_for(lambda: any(e["reason"] == "Ready" for e in bmc_events(api, namespace)), timeout=30,
+             what="the Ready Event")
+
+    events = bmc_events(api, namespace)
+    messages = {(e["type"], e["reason"]): e["message"] for e in events}
+    assert messages[("Warning", "VirtualMachineNotFound")] == "VirtualMachine vm not found"
+    assert messages[("Normal", "Ready")].startswith("the BMC answers on ")
+    # Two passes created children: the first before the VM existed, the second the agent and its certificate.
+    created = " ".join(e["message"] for e in events if e["reason"] == "Created")
+    for child in ("ServiceAccount vm-virtbmc", "Role vm-virtbmc", "RoleBinding vm-virtbmc", "Service vm-virtbmc",
+                  "Secret vm-virtbmc-tls", "Deployment vm-virtbmc"):
+        assert child in created
+    assert [(e["type"], e["reason"]) for e in events if e["type"] == "Warning"] == [
+        ("Warning", "VirtualMachineNotFound")]
