@@ -35,7 +35,7 @@ class GarbageCollector(ControlLoop):
             self._dependents.get(uid, set()).discard(me)
         for uid in refs:
             self._dependents.setdefault(uid, set()).add(me)
-        if refs or old_refs:
+        if refs and refs != old_refs:  # new owners to check; unchanged ones were checked when they were set
             self.enqueue(("dependent", *me))
         if event.type == DELETED or meta.get("deletionTimestamp"):
             self.enqueue(("owner", meta["uid"], *me))
