@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=env("KUBEVBMC_WATCH_NAMESPACE", ""),
                         help="watch one namespace only (default: all)")
     # Reconciles mostly wait on the API server: more workers than cores pay off (bench/controller.py).
-    parser.add_argument("--workers", type=int, default=int(env("KUBEVBMC_WORKERS", "8")))
-    parser.add_argument("--resync", type=float, default=float(env("KUBEVBMC_RESYNC_SECONDS", "300")),
+    parser.add_argument("--workers", type=int, default=env("KUBEVBMC_WORKERS", "8"))  # argparse converts it
+    parser.add_argument("--resync", type=float, default=env("KUBEVBMC_RESYNC_SECONDS", "300"),
                         metavar="SECONDS", help="reconcile every BMC at least this often (default %(default)s)")
     parser.add_argument("--metrics-address", default=env("KUBEVBMC_METRICS_ADDRESS", "127.0.0.1:8080"),
                         metavar="HOST:PORT", help="/metrics, /healthz and /readyz (port 0: a free one)")

@@ -421,6 +421,21 @@ def test_an_unknown_subcommand_fails_with_a_usage_message() -> None:
     assert "invalid choice: 'frobnicate'" in result.stderr
 
 
+@pytest.mark.parametrize(("command", "variable", "value", "message"), [
+    ("controller", "KUBEVBMC_DEFAULT_SERVICE_TYPE", "Bogus",
+     "argument --default-service-type: invalid choice: 'Bogus'"),
+    ("controller", "KUBEVBMC_LOG_FORMAT", "xml", "argument --log-format: invalid choice: 'xml'"),
+    ("controller", "KUBEVBMC_WORKERS", "many", "argument --workers: invalid int value: 'many'"),
+    ("agent", "VBMC_BACKEND", "libvirt", "argument --backend: invalid choice: 'libvirt'"),
+])
+def test_a_bad_value_from_the_environment_is_refused_like_a_bad_flag(command: str, variable: str, value: str,
+                                                                      message: str) -> None:
+    result = kubevbmc(command, env={variable: value})
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def expand(arg: str, env: dict[str, str]) -> str:
     """The kubelet's `$(VAR)` expansion of container args."""
     return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)

@@ -3,46 +3,37 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
+import importlib
+
+# name, help, the module with add_arguments(parser) and run(args)
+SUBCOMMANDS = (
+    ("sim", "run kubesim, a simulated Kubernetes cluster with KubeVirt", "kubesim.cli"),
+    ("demo", "a simulated cluster with a few VMs and their BMCs", "vbmc.demo"),
+    ("agent", "serve IPMI and Redfish for one VM", "vbmc.agent"),
+    ("controller", "reconcile VirtualMachineBMCs into agents", "controller.cli"),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kubevbmc",
                                      description="A virtual BMC for KubeVirt virtual machines.")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from kubesim import cli as sim_cli
-
-    sim = sub.add_parser("sim", help="run kubesim, a simulated Kubernetes cluster with KubeVirt")
-    sim_cli.add_arguments(sim)
-    sim.set_defaults(run=sim_cli.run)
-
-    from . import demo
-
-    demo_parser = sub.add_parser("demo", help="a simulated cluster with a few VMs and their BMCs")
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.run)
-
-    from . import agent
-
-    agent_parser = sub.add_parser("agent", help="serve IPMI and Redfish for one VM")
-    agent.add_arguments(agent_parser)
-    agent_parser.set_defaults(run=agent.run)
-
-    from controller import cli as controller_cli
-
-    controller = sub.add_parser("controller", help="reconcile VirtualMachineBMCs into agents")
-    controller_cli.add_arguments(controller)
-    controller.set_defaults(run=controller_cli.run)
-
+    for name, help_, module_name in SUBCOMMANDS:
+        module = importlib.import_module(module_name)
+        command = sub.add_parser(name, help=help_)
+        module.add_arguments(command)
+        command.set_defaults(run=module.run, parser=command)
     args = parser.parse_args(argv)
+    check_choices(args.parser, args)
     return int(args.run(args) or 0)
 
 
-def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        print(f"kubevbmc {name}: not implemented yet", file=sys.stderr)
-        return 2
-
-    return run
+def check_choices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """argparse checks the choices of values given on the command line, not of defaults; flags here default to
+    environment variables (as a Deployment sets them), so a bad one gets the same clear error."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(repr(c) for c in action.choices)
+            parser.error(f"argument {'/'.join(action.option_strings)}: invalid choice: {value!r} "
+                         f"(choose from {choices}; set through the environment?)")
