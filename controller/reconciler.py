@@ -123,11 +123,8 @@ class Reconciler:
     def _cached(self, kind: str, namespace: str, name: str) -> Obj | None:
         informer = self.caches.bmcs if kind == "VirtualMachineBMC" else self.caches.children[kind]
         cached = informer.get(namespace, name)
-        with self._lock:
+        with self._lock:  # (_seen forgets our copy once the cache has it)
             written = self._written.get((kind, namespace, name))
-            if written is not None and cached is not None and _rv(cached) >= _rv(written):
-                del self._written[(kind, namespace, name)]
-                return cached
         return written if written is not None and (cached is None or _rv(written) > _rv(cached)) else cached
 
     def _seen(self, kind: str, old: Obj | None, new: Obj | None) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import errors
-from .objects import clone
+from .objects import ByIdentity, clone
 from .resources import ResourceType
 from .structure import ATOMIC, SET, list_type
 
@@ -80,21 +80,8 @@ def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, o
     out[path] = value
 
 
-# field_values of stored objects, by identity (the cache holds the object, so the id stays its own).
-_values: dict[tuple[int, str], tuple[Obj, dict[Path, Any]]] = {}
-
-
-def _stored_field_values(rtype: ResourceType, obj: Obj, subresource: str) -> dict[Path, Any]:
-    hit = _values.get((id(obj), subresource))
-    if hit is not None and hit[0] is obj:
-        return hit[1]
-    return field_values(rtype, obj, subresource)
-
-
-def _remember_field_values(obj: Obj, subresource: str, values: dict[Path, Any]) -> None:
-    if len(_values) >= _DECODED_MAX:
-        _values.clear()
-    _values[(id(obj), subresource)] = (obj, values)
+# field_values of stored objects, by subresource.
+_stored_values: ByIdentity[dict[Path, Any]] = ByIdentity()
 
 
 def value_at(rtype: ResourceType, obj: Any, path: Path) -> Any:
@@ -164,27 +151,19 @@ class Entry:
         return (self.manager, self.operation, self.subresource)
 
 
-# Decoded fieldsV1 by the identity of the stored (never edited) dict, which the cache holds so the id stays its.
-_decoded: dict[int, tuple[Obj, frozenset[Path]]] = {}
-_DECODED_MAX = 20000
+# Decoded fieldsV1 of stored objects' entries.
+_decoded: ByIdentity[frozenset[Path]] = ByIdentity()
 
 
-def _decode_stored(tree: Obj) -> frozenset[Path]:
-    hit = _decoded.get(id(tree))
-    if hit is not None and hit[0] is tree:
-        return hit[1]
-    paths = frozenset(decode(tree))
-    if len(_decoded) >= _DECODED_MAX:
-        _decoded.clear()
-    _decoded[id(tree)] = (tree, paths)
-    return paths
+def _stored_paths(tree: Obj) -> frozenset[Path]:
+    return _decoded.get(tree, lambda: frozenset(decode(tree)))
 
 
 def read_entries(obj: Obj) -> list[Entry]:
     entries = []
     for mf in obj.get("metadata", {}).get("managedFields") or []:
         tree = mf.get("fieldsV1") or {}
-        paths = _decode_stored(tree)
+        paths = _stored_paths(tree)
         entries.append(Entry(
             manager=mf.get("manager", ""), operation=mf.get("operation", "Update"),
             subresource=mf.get("subresource", ""), api_version=mf.get("apiVersion", ""),
@@ -236,9 +215,10 @@ def track_update(rtype: ResourceType, old: Obj | None, new: Obj, manager: str, s
                  api_version: str, now: str) -> None:
     """Give `manager` (operation Update) the fields this write changed, taking them from everyone else."""
     entries = read_entries(old) if old is not None else []
-    before = _stored_field_values(rtype, old, subresource) if old is not None else {}
+    before = _stored_values.get(old, lambda: field_values(rtype, old, subresource), subresource) \
+        if old is not None else {}
     after = field_values(rtype, new, subresource)
-    _remember_field_values(new, subresource, after)  # `new` is about to be stored: its next write reads this
+    _stored_values.put(new, after, subresource)  # `new` is about to be stored: its next write reads this
     changed = {p for p, v in after.items() if before.get(p, _ABSENT) != v}
     removed = before.keys() - after.keys()
     if changed or removed:

@@ -74,6 +74,15 @@ PAUSED_READINESS_GATE = "kubevirt.io/virtual-machine-unpaused"
 # ---------------------------------------------------------------- small readers
 
 
+def _drop_our_finalizer(obj: Obj) -> bool:
+    """A store.mutate change: remove virt-controller's finalizer (False, no write, when it is not there)."""
+    fins = obj["metadata"].get("finalizers") or []
+    if VM_CONTROLLER_FINALIZER not in fins:
+        return False
+    obj["metadata"]["finalizers"] = [f for f in fins if f != VM_CONTROLLER_FINALIZER]
+    return True
+
+
 def _meta(obj: Obj) -> Obj:
     m = obj.get("metadata")
     return m if isinstance(m, dict) else {}
@@ -1006,14 +1015,8 @@ class VirtualMachineController(ControlLoop):
                        vmi: Obj | None) -> float | None:
         meta = _meta(vm)
         if vmi is None or "orphan" in (meta.get("finalizers") or []):
-            def drop(obj: Obj) -> bool:
-                fins = obj["metadata"].get("finalizers") or []
-                if VM_CONTROLLER_FINALIZER not in fins:
-                    return False
-                obj["metadata"]["finalizers"] = [f for f in fins if f != VM_CONTROLLER_FINALIZER]
-                return True
-
-            self.store.mutate(vm_type, meta["namespace"], meta["name"], drop, manager=self.manager)
+            self.store.mutate(vm_type, meta["namespace"], meta["name"], _drop_our_finalizer, manager=self.manager,
+                              only="metadata")
             return None
         if not _meta(vmi).get("deletionTimestamp"):
             self._delete_vmi(vmi_type, vmi)
@@ -1031,16 +1034,9 @@ class VirtualMachineController(ControlLoop):
             return
         if VM_CONTROLLER_FINALIZER not in (_meta(vmi).get("finalizers") or []):
             return
-
-        def drop(obj: Obj) -> bool:
-            fins = obj["metadata"].get("finalizers") or []
-            if VM_CONTROLLER_FINALIZER not in fins:
-                return False
-            obj["metadata"]["finalizers"] = [f for f in fins if f != VM_CONTROLLER_FINALIZER]
-            return True
-
         meta = _meta(vmi)
-        self.store.mutate(vmi_type, meta["namespace"], meta["name"], drop, manager=self.manager)
+        self.store.mutate(vmi_type, meta["namespace"], meta["name"], _drop_our_finalizer, manager=self.manager,
+                          only="metadata")
 
     def _write_status(self, vm_type: ResourceType, vm: Obj, vmi: Obj | None, restart: bool | None, *,
                       started: bool, stopped: bool) -> None:

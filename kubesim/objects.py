@@ -4,9 +4,34 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar
 
 Obj = dict[str, Any]
+T = TypeVar("T")
+
+
+class ByIdentity(Generic[T]):
+    """Values derived from stored objects, which are never edited in place, kept by the object's identity. Each
+    entry holds its object, so the id cannot be reused while the entry lives; the whole cache is dropped when
+    it reaches `limit` entries."""
+
+    def __init__(self, limit: int = 20000) -> None:
+        self.limit = limit
+        self._items: dict[tuple[int, Hashable], tuple[object, T]] = {}
+
+    def get(self, obj: object, compute: Callable[[], T], key: Hashable = None) -> T:
+        hit = self._items.get((id(obj), key))
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        value = compute()
+        self.put(obj, value, key)
+        return value
+
+    def put(self, obj: object, value: T, key: Hashable = None) -> None:
+        if len(self._items) >= self.limit:
+            self._items.clear()
+        self._items[(id(obj), key)] = (obj, value)
 
 
 def clone(value: Any) -> Any:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors, fields, schema
-from .objects import clone, now
+from .objects import ByIdentity, clone, now
 from .patch import json_patch, merge_patch, strategic_merge_patch
 from .resources import ResourceType
 from .selectors import LABEL_KEY, LABEL_VALUE, field_matcher, label_matcher
@@ -57,22 +57,13 @@ class Event:
         return self._line
 
 
-# The JSON of stored objects, by identity: a write's response, its watch events and later lists and GETs all
-# send the same bytes. Stored objects are never edited in place; the cache holds each one so its id stays its own.
-_encoded: dict[int, tuple[Obj, bytes]] = {}
-_ENCODED_MAX = 20000
+# The JSON of stored objects: a write's response, its watch events and later lists and GETs send the same bytes.
+_encoded: ByIdentity[bytes] = ByIdentity()
 
 
 def encoded(obj: Obj) -> bytes:
     """`obj` (a stored object) as compact JSON."""
-    hit = _encoded.get(id(obj))
-    if hit is not None and hit[0] is obj:
-        return hit[1]
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    if len(_encoded) >= _ENCODED_MAX:
-        _encoded.clear()
-    _encoded[id(obj)] = (obj, data)
-    return data
+    return _encoded.get(obj, lambda: json.dumps(obj, separators=(",", ":")).encode())
 
 
 class Watcher:
