@@ -137,9 +137,14 @@ class Reconciler:
                 del self._written[key]
 
     def _remember(self, kind: str, obj: Obj) -> None:
+        """Keep what we wrote until the cache has it. Its watch event may have come before our answer: then the
+        cache has it already (checked under the lock _seen takes, so neither order leaves a copy behind)."""
         meta = obj.get("metadata") or {}
+        namespace, name = meta.get("namespace", ""), meta.get("name", "")
+        informer = self.caches.bmcs if kind == "VirtualMachineBMC" else self.caches.children[kind]
         with self._lock:
-            self._written[(kind, meta.get("namespace", ""), meta.get("name", ""))] = obj
+            if _rv(informer.get(namespace, name)) < _rv(obj):
+                self._written[(kind, namespace, name)] = obj
 
     # ---- the loop
 
