@@ -194,6 +194,9 @@ class Caches:
         self.children["Secret"] = self.secrets
         self.bmcs.handlers.append(self._on_bmc)
         self.vms.handlers.append(lambda old, new: self._by_index(self._by_vm, old or new))
+        # A BMC waiting on a fetch (`pending`) is not requeued on a timer: the answer enqueues it, found or not.
+        self.vms.resolved.append(lambda ns, name: self._by_key(self._by_vm, ns, name))
+        self.secrets.resolved.append(lambda ns, name: self._by_key(self._by_secret, ns, name))
         self.secrets.handlers.append(self._on_secret)
         for kind, informer in self.children.items():
             if kind != "Secret":
@@ -274,13 +277,15 @@ class Caches:
                 self.enqueue((ns, other["metadata"]["name"]))
 
     def _by_index(self, index: dict[Key, set[str]], obj: Obj | None) -> None:
-        if obj is None:
-            return
-        meta = obj["metadata"]
+        if obj is not None:
+            meta = obj["metadata"]
+            self._by_key(index, meta.get("namespace", ""), meta.get("name", ""))
+
+    def _by_key(self, index: dict[Key, set[str]], namespace: str, name: str) -> None:
         with self._lock:
-            names = list(index.get((meta.get("namespace", ""), meta.get("name", "")), ()))
-        for name in names:
-            self.enqueue((meta.get("namespace", ""), name))
+            names = list(index.get((namespace, name), ()))
+        for bmc in names:
+            self.enqueue((namespace, bmc))
 
     def _on_secret(self, old: Obj | None, new: Obj | None) -> None:
         if not changed(old, new):

@@ -54,6 +54,7 @@ class Informer:
         self.transform = transform or (lambda obj, _cached: obj)  # (the event's object, what the cache holds)
         self.watch_timeout = watch_timeout
         self.handlers: list[Handler] = []
+        self.resolved: list[Callable[[str, str], None]] = []  # a `track`ed fetch answered, found or not
         self._items: dict[Key, Obj] = {}
         self._lock = threading.RLock()
         self._rv = ""
@@ -220,6 +221,11 @@ class Informer:
                     self._wanted.discard((namespace, name))
                 if items and not cached:
                     self._store(items[0])
+                for callback in self.resolved:
+                    try:
+                        callback(namespace, name)
+                    except Exception:
+                        log.exception("informer %s: resolved callback failed", self.kind.plural)
 
 
 class _Expired(Exception):

@@ -163,7 +163,7 @@ class Reconciler:
         tls_ref = spec.redfish.tls.secret_ref.name if spec.redfish.tls.secret_ref else ""
         if self.caches.vms.pending(namespace, vm_name) or any(
                 self.caches.secrets.pending(namespace, s) for s in (secret_name, tls_ref) if s):
-            return Result(requeue_after=0.1)  # just referenced: the cache does not know yet whether it exists
+            return Result()  # just referenced: the fetch's answer (Caches) enqueues this BMC again
 
         vm = self.caches.vms.get(namespace, vm_name)
         secret = self.caches.secrets.get(namespace, secret_name) if secret_name else None
