@@ -223,3 +223,102 @@ def test_work_queue_backs_off_per_key_exponentially_up_to_a_cap() -> None:
     assert q.add_rate_limited("k") == 0.01
     began = time.monotonic()
     assert q.get(1.0) == "k" and time.monotonic() - began < 0.5
+
+
+# ---- the API transport and the caches' fetches
+
+
+class _ClosingServer:
+    """A plain-HTTP API server that answers once per connection and then closes it without saying so (as a
+    server or proxy dropping idle keep-alive connections does)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.connections = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                outer.connections += 1
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                body = b'{"kind":"Status","code":200}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                self.close_connection = True  # no "Connection: close": the client learns of it at its next use
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_before_the_next_request() -> None:
+    from kubernetes import client
+
+    from controller.kubeapi import KubeApi
+
+    server = _ClosingServer()
+    try:
+        api = KubeApi(client.ApiClient(client.Configuration(host=server.url)))
+        for _ in range(3):
+            assert api.request("GET", "/api/v1/namespaces/default")["code"] == 200
+            time.sleep(0.1)  # the server has closed its side by now
+        assert server.connections == 3
+    finally:
+        server.server.shutdown()
+
+
+def test_an_unreachable_server_is_an_api_error_with_status_0() -> None:
+    import socket
+
+    from kubernetes import client
+
+    from controller.kubeapi import ApiError, KubeApi
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens here once the socket is closed
+    api = KubeApi(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}")))
+    with pytest.raises(ApiError) as err:
+        api.request("GET", "/api/v1/namespaces/default", timeout=2)
+    assert err.value.status == 0 and err.value.reason == "Unreachable"
+
+
+def test_a_tracked_fetch_reports_its_answer_whether_or_not_the_object_exists(api: Any, namespace: str) -> None:
+    """A VirtualMachineBMC that names a VM or Secret the cache does not hold yet waits for this answer (not a
+    timer): found or not, the fetch must say so, or the BMC would wait forever."""
+    import threading
+
+    from kubernetes import client
+
+    from controller.informer import Informer, Kind
+    from controller.kubeapi import KubeApi
+
+    client.CoreV1Api(api).create_namespaced_secret(namespace, client.V1Secret(
+        metadata=client.V1ObjectMeta(name="present"), string_data={"username": "u"}))
+    answered: list[tuple[str, str]] = []
+    done = threading.Event()
+    secrets = Informer(KubeApi(api), Kind("", "v1", "secrets"), namespace=namespace, keep=lambda _obj: False)
+    secrets.resolved.append(lambda ns, name: (answered.append((ns, name)), len(answered) == 2 and done.set()))
+    secrets.start()
+    try:
+        assert secrets.wait_synced(10)
+        assert secrets.get(namespace, "present") is None  # `keep` refused it at the list
+        secrets.track(namespace, "present")
+        secrets.track(namespace, "absent")
+        assert done.wait(10), answered
+        assert sorted(answered) == [(namespace, "absent"), (namespace, "present")]
+        assert not secrets.pending(namespace, "absent") and not secrets.pending(namespace, "present")
+    finally:
+        secrets.stop()
