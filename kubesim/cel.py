@@ -116,6 +116,12 @@ class Node:
     def uses_old_self(self) -> bool:
         return any(r.uses_old_self for r in self.rules)
 
+    @functools.cached_property
+    def transitions_below(self) -> bool:
+        """Whether this node or one below it has a transition rule (the only kind an unchanged value can fail)."""
+        return self.uses_old_self or any(n.transitions_below for n in (
+            *self.properties.values(), *self.all_of, *(n for n in (self.items, self.additional) if n is not None)))
+
 
 def rule_tree(validation: Obj, node_schema: Obj, resource: bool) -> Node | None:
     """Compile the rules of `validation` (a schema or an allOf branch) applied to values of `node_schema`."""
@@ -182,19 +188,21 @@ class RuleValidator:
         self._body_schema = {**crd_schema, "properties": {
             k: v for k, v in (crd_schema.get("properties") or {}).items() if k not in _META_FIELDS}}
 
-    def __call__(self, new: Obj, old: Obj | None) -> list[Cause]:
-        if self._blocked(new):
+    def __call__(self, new: Obj, old: Obj | None, structural: list[Cause] | None = None) -> list[Cause]:
+        """The rules' causes. `structural`: what the store's schema validation found, when it ran already."""
+        if self._blocked(new, structural):
             return [_invalid("", "null", NOT_CHECKED)]
         run = _Run()
         ratchet = _Ratchet(_Correlated(new, old, self.schema)) if old is not None else _Ratchet()
         validate(self.tree, "", new, old, ratchet, run)
         return run.causes
 
-    def _blocked(self, new: Obj) -> bool:
-        causes: list[Cause] = []
-        body = {k: v for k, v in new.items() if k not in _META_FIELDS}
-        schema.validate(self._body_schema, body, "", causes)
-        return any(c.get("reason") in BLOCKING_REASONS for c in causes)
+    def _blocked(self, new: Obj, structural: list[Cause] | None) -> bool:
+        if structural is None:
+            structural = []
+            body = {k: v for k, v in new.items() if k not in _META_FIELDS}
+            schema.validate(self._body_schema, body, "", structural)
+        return any(c.get("reason") in BLOCKING_REASONS for c in structural)
 
 
 def rule_validator(crd_schema: Obj | None) -> RuleValidator | None:
@@ -209,13 +217,14 @@ def rule_validator(crd_schema: Obj | None) -> RuleValidator | None:
 @dataclass
 class _Run:
     causes: list[Cause] = field(default_factory=list)
-    ratcheted: list[Cause] = field(default_factory=list)  # the apiserver turns these into warnings
 
 
 def validate(node: Node, path: str, new: Any, old: Any, ratchet: _Ratchet, run: _Run) -> None:
     """Validator.validate: this node's rules, its allOf branches, then the correlated children."""
     if new is None:
         return
+    if old is not None and not node.transitions_below and ratchet.unchanged():
+        return  # ratcheted: no rule here or below can fail on an unchanged value
     if node.rules:
         _evaluate(node, path, new, old, ratchet, run)
     for branch in node.all_of:
@@ -236,7 +245,13 @@ def validate(node: Node, path: str, new: Any, old: Any, ratchet: _Ratchet, run: 
 
 
 def _evaluate(node: Node, path: str, new: Any, old: Any, ratchet: _Ratchet, run: _Run) -> None:
-    """validateExpressions: the rules of one node against one value."""
+    """validateExpressions: the rules of one node against one value.
+
+    A rule without oldSelf on an unchanged value is ratcheted: its failure would only be a warning, which kubesim
+    does not send, so it is not evaluated at all."""
+    unchanged = old is not None and ratchet.unchanged()
+    if unchanged and not node.uses_old_self:
+        return
     this = to_cel(node.schema, new, node.resource)
     before = to_cel(node.schema, old, node.resource) if old is not None and node.uses_old_self else None
     for rule in node.rules:
@@ -247,6 +262,8 @@ def _evaluate(node: Node, path: str, new: Any, old: Any, ratchet: _Ratchet, run:
             continue
         if rule.uses_old_self and old is None and not rule.optional_old_self:
             continue  # transition rules run only where an old value correlates
+        if unchanged and not rule.uses_old_self:
+            continue
         variables = {"self": this}
         if rule.uses_old_self:
             variables["oldSelf"] = OptionalValue(before, old is not None) if rule.optional_old_self else before
@@ -260,11 +277,7 @@ def _evaluate(node: Node, path: str, new: Any, old: Any, ratchet: _Ratchet, run:
         where = _child(path, rule.field_path) if rule.field_path else path
         # The messageExpression sees oldSelf as a plain value, unset on create, even for optionalOldSelf rules.
         plain = {"self": this, **({"oldSelf": before} if before is not None else {})}
-        cause = _failure(where, node.type_name, _message(rule, plain), rule.reason)
-        if not rule.uses_old_self and ratchet.unchanged():
-            run.ratcheted.append(cause)
-        else:
-            run.causes.append(cause)
+        run.causes.append(_failure(where, node.type_name, _message(rule, plain), rule.reason))
 
 
 def _is_true(value: Any) -> bool:
@@ -390,6 +403,8 @@ class _Correlated:
 
     def _compare(self) -> bool:
         new, old = self.new, self.old
+        if new is old:
+            return True  # the store shares what a write did not touch with the stored version
         if new is None or old is None:
             return new is None and old is None
         if isinstance(new, list) and isinstance(old, list):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -59,6 +60,13 @@ def run(args: Any) -> int:
 
     cluster = Cluster(config_from(args))
     cluster.start()
+    # The store is a large, long-lived graph of dicts with no reference cycles to speak of, and every write
+    # allocates thousands of short-lived ones: with the default thresholds the cyclic collector kept walking the
+    # whole store (about a tenth of kubesim's CPU at 1,000 VirtualMachineBMCs, measured with perf). What exists at
+    # start is frozen out of collection and collections run 20 times less often; reference counting still frees
+    # nearly everything at once.
+    gc.freeze()
+    gc.set_threshold(14_000, 10, 10)
     print(f"kubeconfig: {cluster.kubeconfig}", flush=True)
     print(f"server: {cluster.url}", flush=True)
     print("ready", flush=True)

@@ -31,7 +31,7 @@ def resource_type(crd: Obj) -> ResourceType:
         status_subresource="status" in (storage.get("subresources") or {}),
         has_generation=True, delete_returns_object=True, schema=schema,
         printer_columns=tuple(storage.get("additionalPrinterColumns") or ()), field_labels=selectable, crd=True,
-        validator=cel.rule_validator(schema),  # x-kubernetes-validations, compiled once per CRD version
+        rules=cel.rule_validator(schema),  # x-kubernetes-validations, compiled once per CRD version
     )
 
 

@@ -37,6 +37,19 @@ def field_set(rtype: ResourceType, obj: Obj, subresource: str = "") -> set[Path]
 def field_values(rtype: ResourceType, obj: Obj, subresource: str = "") -> dict[Path, Any]:
     """`field_set` with the value at each path (what `value_at` would find there), in one walk."""
     out: dict[Path, Any] = {}
+    for values in _grouped_values(rtype, obj, subresource).values():
+        out.update(values)
+    return out
+
+
+Grouped = dict[str, dict[Path, Any]]  # field_values by top-level field
+
+
+def _grouped_values(rtype: ResourceType, obj: Obj, subresource: str, old: Obj | None = None,
+                    old_values: Grouped | None = None) -> Grouped:
+    """field_values by top-level field. A field that `obj` shares with `old` (the same object: writes copy only
+    what they change) takes its values from `old_values` instead of a walk."""
+    out: Grouped = {}
     for key, value in obj.items():
         if key in ("apiVersion", "kind"):
             continue
@@ -45,11 +58,14 @@ def field_values(rtype: ResourceType, obj: Obj, subresource: str = "") -> dict[P
                 continue
             meta = {k: v for k, v in value.items() if k not in _SERVER_METADATA}
             if meta:
-                _walk(rtype, ("metadata",), ("f:metadata",), meta, out)
+                _walk(rtype, ("metadata",), ("f:metadata",), meta, out.setdefault(key, {}))
             continue
         if rtype.status_subresource and (key == "status") != (subresource == "status"):
             continue
-        _walk(rtype, (key,), ("f:" + key,), value, out)
+        if old_values is not None and old is not None and old.get(key) is value:
+            out[key] = old_values.get(key, {})
+            continue
+        _walk(rtype, (key,), ("f:" + key,), value, out.setdefault(key, {}))
     return out
 
 
@@ -80,8 +96,8 @@ def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, o
     out[path] = value
 
 
-# field_values of stored objects, by subresource.
-_stored_values: ByIdentity[dict[Path, Any]] = ByIdentity()
+# _grouped_values of stored objects, by subresource.
+_stored_values: ByIdentity[Grouped] = ByIdentity()
 
 
 def value_at(rtype: ResourceType, obj: Any, path: Path) -> Any:
@@ -215,12 +231,18 @@ def track_update(rtype: ResourceType, old: Obj | None, new: Obj, manager: str, s
                  api_version: str, now: str) -> None:
     """Give `manager` (operation Update) the fields this write changed, taking them from everyone else."""
     entries = read_entries(old) if old is not None else []
-    before = _stored_values.get(old, lambda: field_values(rtype, old, subresource), subresource) \
+    before = _stored_values.get(old, lambda: _grouped_values(rtype, old, subresource), subresource) \
         if old is not None else {}
-    after = field_values(rtype, new, subresource)
+    after = _grouped_values(rtype, new, subresource, old, before)
     _stored_values.put(new, after, subresource)  # `new` is about to be stored: its next write reads this
-    changed = {p for p, v in after.items() if before.get(p, _ABSENT) != v}
-    removed = before.keys() - after.keys()
+    changed: set[Path] = set()
+    removed: set[Path] = set()
+    for key in before.keys() | after.keys():
+        was, now_ = before.get(key, {}), after.get(key, {})
+        if was is now_:
+            continue  # a field the write did not touch
+        changed.update(p for p, v in now_.items() if was.get(p, _ABSENT) != v)
+        removed.update(was.keys() - now_.keys())
     if changed or removed:
         for e in entries:
             e.paths -= changed | removed

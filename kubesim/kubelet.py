@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors
-from .loop import ControlLoop
+from .loop import ControlLoop, status_only
 from .network import network_of
 from .objects import now, set_condition
 from .store import Event
@@ -357,6 +357,8 @@ class Kubelet(ControlLoop):
         self._lock = threading.Lock()
 
     def keys_for(self, event: Event) -> Iterable[Hashable]:
+        if status_only(event):
+            return []  # its own status writes
         meta = event.obj["metadata"]
         return [(meta.get("namespace", ""), meta["name"])]
 

@@ -16,9 +16,22 @@ import time
 from collections.abc import Hashable, Iterable
 
 from . import errors
-from .store import Event, Store
+from .store import MODIFIED, Event, Store
 
 log = logging.getLogger(__name__)
+
+
+def status_only(event: Event) -> bool:
+    """A MODIFIED event that changed only the status (and the resourceVersion and managedFields every write
+    changes): what a controller wrote about an object it manages, which gives that controller nothing new to do."""
+    old, new = event.old, event.obj
+    if event.type != MODIFIED or old is None:
+        return False
+    if any(new.get(k) != old.get(k) for k in new.keys() | old.keys() if k not in ("status", "metadata")):
+        return False
+    meta, old_meta = new["metadata"], old["metadata"]
+    return all(meta.get(k) == old_meta.get(k) for k in meta.keys() | old_meta.keys()
+               if k not in ("resourceVersion", "managedFields"))
 
 
 class ControlLoop:

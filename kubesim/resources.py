@@ -37,6 +37,8 @@ class ResourceType:
     # Built-in defaulting and validation (schemaless kinds); both see the object about to be stored.
     defaulter: Callable[[Obj], None] | None = None
     validator: Callable[[Obj, Obj | None], list[Cause]] | None = None
+    # x-kubernetes-validations (custom resources): (new, old, the schema's causes, which may block the rules).
+    rules: Callable[[Obj, Obj | None, list[Cause]], list[Cause]] | None = None
     # Associative lists for merge and server-side apply: field name -> key fields (None: atomic by default).
     list_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Seconds a DELETE waits for (pods: the kubelet stops the containers first); 0 removes at once.

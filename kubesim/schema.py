@@ -16,7 +16,9 @@ Obj = dict[str, Any]
 Cause = dict[str, str]
 
 
-def apply_defaults(schema: Obj, value: Any) -> Any:
+def apply_defaults(schema: Obj, value: Any, old: Any = None) -> Any:
+    """Fill in defaults where fields are absent. What `value` shares with `old` (the stored version, defaulted
+    when it was written) is left alone."""
     if isinstance(value, dict):
         if _preserve(schema) and not schema.get("properties"):
             return value
@@ -24,7 +26,10 @@ def apply_defaults(schema: Obj, value: Any) -> Any:
         for name, sub in props.items():
             if name not in value and isinstance(sub, dict) and "default" in sub:
                 value[name] = clone(sub["default"])
+        stored = old if isinstance(old, dict) else {}
         for name, child in list(value.items()):
+            if stored.get(name) is child:
+                continue
             if name in props:
                 value[name] = apply_defaults(props[name], child)
             elif isinstance(schema.get("additionalProperties"), dict):
@@ -38,9 +43,11 @@ def _preserve(schema: Obj) -> bool:
     return bool(schema.get("x-kubernetes-preserve-unknown-fields"))
 
 
-def prune(schema: Obj, value: Any, path: str, unknown: list[str], *, root: bool = False) -> Any:
-    """Drop fields the schema does not declare; their paths are collected in `unknown`."""
+def prune(schema: Obj, value: Any, path: str, unknown: list[str], *, root: bool = False, old: Any = None) -> Any:
+    """Drop fields the schema does not declare; their paths are collected in `unknown`. What `value` shares with
+    `old` (the stored version, pruned when it was written) is kept as it is."""
     if isinstance(value, dict):
+        stored = old if isinstance(old, dict) else {}
         embedded = schema.get("x-kubernetes-embedded-resource") or root
         keep = {"apiVersion", "kind", "metadata"} if embedded else set()
         props = schema.get("properties")
@@ -48,7 +55,7 @@ def prune(schema: Obj, value: Any, path: str, unknown: list[str], *, root: bool 
         out = {}
         for name, child in value.items():
             child_path = f"{path}.{name}" if path else name
-            if name in keep:
+            if name in keep or stored.get(name) is child:
                 out[name] = child
             elif props and name in props:
                 out[name] = prune(props[name], child, child_path, unknown)
@@ -67,7 +74,12 @@ def prune(schema: Obj, value: Any, path: str, unknown: list[str], *, root: bool 
 _TYPE_NAMES = {"object": dict, "array": list, "string": str, "boolean": bool}
 
 
-def validate(schema: Obj, value: Any, path: str, causes: list[Cause]) -> None:
+_NOTHING: Any = object()
+
+
+def validate(schema: Obj, value: Any, path: str, causes: list[Cause], old: Any = _NOTHING) -> None:
+    """Append what `value` breaks to `causes`. With `old` (an update), properties equal to the old ones are
+    ratcheted: not validated again, as kube-apiserver does for custom resources since 1.30."""
     if value is None:
         if not schema.get("nullable") and schema.get("type"):
             causes.append(_cause(path, f'Invalid value: "null": {path} in body must be of type '
@@ -95,12 +107,16 @@ def validate(schema: Obj, value: Any, path: str, causes: list[Cause]) -> None:
         for name in schema.get("required") or []:
             if name not in value:
                 causes.append(_cause(f"{path}.{name}" if path else name, "Required value", "FieldValueRequired"))
+        stored = old if isinstance(old, dict) else {}
         for name, child in value.items():
+            before = stored.get(name, _NOTHING)
+            if before is child or (before is not _NOTHING and before == child):
+                continue
             child_path = f"{path}.{name}" if path else name
             if name in props:
-                validate(props[name], child, child_path, causes)
+                validate(props[name], child, child_path, causes, before)
             elif isinstance(schema.get("additionalProperties"), dict):
-                validate(schema["additionalProperties"], child, child_path, causes)
+                validate(schema["additionalProperties"], child, child_path, causes, before)
         if "maxProperties" in schema and len(value) > schema["maxProperties"]:
             causes.append(_cause(path, f"Too many: {len(value)}: must have at most {schema['maxProperties']} "
                                        "items", "FieldValueTooMany"))

@@ -116,6 +116,11 @@ class Watcher:
                 self._cond.wait(timeout)
             return self._queue.popleft() if self._queue else None
 
+    def drain(self, limit: int) -> list[Event]:
+        """Up to `limit` events already queued, without waiting."""
+        with self._cond:
+            return [self._queue.popleft() for _ in range(min(limit, len(self._queue)))]
+
     def close(self) -> None:
         self.store._drop_watcher(self)
         with self._cond:
@@ -348,8 +353,8 @@ class Store:
             sent_rv = (new.get("metadata") or {}).get("resourceVersion")
             if sent_rv and sent_rv != old["metadata"]["resourceVersion"]:
                 raise errors.conflict(rtype.plural, name, rtype.group)
-            return self._write(rtype, old, clone(new), subresource, manager, dry_run, field_validation,
-                               warnings), False
+            return self._write(rtype, old, _writable(rtype, new, subresource), subresource, manager, dry_run,
+                               field_validation, warnings), False
 
     def _check_applied(self, rtype: ResourceType, body: Any, namespace: str, name: str) -> None:
         if not isinstance(body, dict):
@@ -443,23 +448,26 @@ class Store:
     def _write(self, rtype: ResourceType, old: Obj, new: Obj, subresource: str, manager: str, dry_run: bool,
                field_validation: str, warnings: Warnings) -> Obj:
         new["apiVersion"], new["kind"] = old["apiVersion"], rtype.kind
-        # `new` is the store's own copy. What this endpoint may not change is put back as stored; comparing
-        # first spares a copy of what the writer left alone (nearly always all of it).
+        # `new` is the store's own copy. What this endpoint may not change is put back as stored, shared with
+        # the stored version (which nobody edits in place): later steps see by identity what was not touched.
         if subresource == "status":
             managed = (new.get("metadata") or {}).get("managedFields", old["metadata"].get("managedFields"))
             for key in (set(old) | set(new)) - {"status", "apiVersion", "kind"}:
                 if key not in old:
                     new.pop(key)
-                elif new.get(key) != old[key]:
-                    new[key] = clone(old[key])
+                elif key == "metadata":
+                    if new.get(key) != old[key]:
+                        new[key] = clone(old[key])
+                else:
+                    new[key] = old[key]
             new["metadata"]["managedFields"] = managed
             if managed is None:
                 new["metadata"].pop("managedFields")
         elif rtype.status_subresource:
             if "status" not in old:
                 new.pop("status", None)
-            elif new.get("status") != old["status"]:
-                new["status"] = clone(old["status"])
+            else:
+                new["status"] = old["status"]
         meta = new.setdefault("metadata", {})
         for key in ("name", "namespace", "uid", "creationTimestamp", "deletionTimestamp",
                     "deletionGracePeriodSeconds", "generation", "generateName"):
@@ -496,7 +504,7 @@ class Store:
                  warnings: Warnings) -> None:
         if rtype.schema is not None:
             unknown: list[str] = []
-            pruned = schema.prune(rtype.schema, new, "", unknown, root=True)
+            pruned = schema.prune(rtype.schema, new, "", unknown, root=True, old=old)
             if unknown:
                 if field_validation == "Strict":
                     text = ", ".join(f'unknown field "{u}"' for u in unknown)
@@ -505,17 +513,20 @@ class Store:
                     warnings.extend(f'unknown field "{u}"' for u in unknown)
                 new.clear()
                 new.update(pruned)
-            schema.apply_defaults(rtype.schema, new)
+            schema.apply_defaults(rtype.schema, new, old)
         if rtype.defaulter is not None:
             rtype.defaulter(new)
         for hook in self._admission:
             hook(op, rtype, new, old)
         causes: list[dict[str, str]] = []
         if rtype.schema is not None:
-            body = {k: v for k, v in new.items() if k not in ("apiVersion", "kind", "metadata")}
-            schema.validate({**rtype.schema, "properties": {
-                k: v for k, v in (rtype.schema.get("properties") or {}).items()
-                if k not in ("apiVersion", "kind", "metadata")}}, body, "", causes)
+            # Ratcheting (CRDValidationRatcheting, on by default since 1.30): on an update, a value equal to the
+            # stored one is not validated again, so only what changed can fail (a status write checks status).
+            body = {k: v for k, v in new.items() if k not in _META_FIELDS}
+            stored = None if old is None else {k: v for k, v in old.items() if k not in _META_FIELDS}
+            schema.validate(_body_schema(rtype.schema), body, "", causes, stored)
+            if rtype.rules is not None:
+                causes.extend(rtype.rules(new, old, list(causes)))
         if rtype.validator is not None:
             causes.extend(rtype.validator(new, old))
         if causes:
@@ -593,6 +604,29 @@ class Store:
         for listener in self._listeners:
             listener(event)
         return obj
+
+
+def _writable(rtype: ResourceType, patched: Obj, subresource: str) -> Obj:
+    """The store's own copy of a patched object, for `_write`: what this endpoint may change is copied (the patch
+    shares what it did not touch with the stored version); the rest `_write` puts back as stored anyway."""
+    writable: tuple[str, ...]
+    if subresource == "status":
+        writable = ("metadata", "status")
+    elif rtype.status_subresource:
+        writable = tuple(k for k in patched if k != "status")
+    else:
+        return clone(patched)
+    return {k: clone(v) if k in writable else v for k, v in patched.items()}
+
+
+_META_FIELDS = ("apiVersion", "kind", "metadata")
+_body_schemas: ByIdentity[Obj] = ByIdentity(limit=1000)
+
+
+def _body_schema(crd_schema: Obj) -> Obj:
+    """The schema the body is validated with: without the type and object metadata, which are checked apart."""
+    return _body_schemas.get(crd_schema, lambda: {**crd_schema, "properties": {
+        k: v for k, v in (crd_schema.get("properties") or {}).items() if k not in _META_FIELDS}})
 
 
 def _spec_changed(old: Obj, new: Obj) -> bool:

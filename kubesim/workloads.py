@@ -15,7 +15,7 @@ from collections.abc import Hashable, Iterable
 from typing import Any
 
 from . import errors
-from .loop import ControlLoop
+from .loop import ControlLoop, status_only
 from .objects import clone, now, parse_time, set_condition
 from .store import DELETED, Event, Store
 
@@ -368,7 +368,7 @@ class ReplicaSetController(ControlLoop):
         meta = event.obj["metadata"]
         ns = meta.get("namespace", "")
         if event.rtype.key == "apps/replicasets":
-            return [(ns, meta["name"])]
+            return [] if status_only(event) else [(ns, meta["name"])]  # its own status writes
         keys = []
         for obj in (event.obj, event.old):
             ref = controller_of(obj) if obj is not None else None
@@ -444,7 +444,7 @@ class DeploymentController(ControlLoop):
         meta = event.obj["metadata"]
         ns = meta.get("namespace", "")
         if event.rtype.key == "apps/deployments":
-            return [(ns, meta["name"])]
+            return [] if status_only(event) else [(ns, meta["name"])]  # its own status writes
         if event.rtype.key == "apps/replicasets":
             keys = []
             for obj in (event.obj, event.old):

@@ -593,3 +593,44 @@ def test_deleting_a_namespace_removes_its_contents(api: client.ApiClient) -> Non
     assert call(api, "DELETE", f"/api/v1/namespaces/{ns}").status == 200
     wait_for(lambda: call(api, "GET", f"/api/v1/namespaces/{ns}").status == 404, what="namespace gone")
     assert call(api, "GET", cm_path(ns, "inside")).status == 404
+
+
+# ---- HTTP framing
+
+
+def raw_exchange(sim: Sim, request: bytes) -> bytes:
+    """Send raw bytes over TLS; everything the server sends until it closes the connection."""
+    import socket
+    import ssl
+    from urllib.parse import urlsplit
+
+    url = urlsplit(sim.url)
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection((url.hostname, url.port), timeout=10) as plain, \
+            context.wrap_socket(plain, server_hostname=url.hostname) as tls:
+        tls.sendall(request)
+        data = b""
+        while chunk := tls.recv(65536):
+            data += chunk
+    return data
+
+
+def test_a_header_line_without_a_colon_is_400_and_the_connection_closes(sim: Sim) -> None:
+    reply = raw_exchange(sim, b"GET /version HTTP/1.1\r\nHost: kubesim\r\nthis is not a header\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 400 ")
+
+
+def test_too_many_header_lines_are_431(sim: Sim) -> None:
+    headers = b"".join(b"X-Filler-%d: x\r\n" % i for i in range(101))
+    reply = raw_exchange(sim, b"GET /version HTTP/1.1\r\nHost: kubesim\r\n" + headers + b"\r\n")
+    assert reply.startswith(b"HTTP/1.1 431 ")
+
+
+def test_header_names_are_case_insensitive_and_connection_close_is_honoured(sim: Sim, api: client.ApiClient) -> None:
+    token = api.configuration.auth_settings()["BearerToken"]["value"]
+    reply = raw_exchange(sim, b"GET /api/v1/namespaces/default HTTP/1.1\r\nhost: kubesim\r\n"
+                              b"authorization: " + token.encode() + b"\r\nCONNECTION: close\r\n\r\n")
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")  # authorised: the lower-case Authorization header was read
+    assert json.loads(body)["metadata"]["name"] == "default"  # and the server closed after one answer

@@ -261,6 +261,34 @@ def test_unchanged_values_keep_passing_after_a_rule_is_added(api: client.ApiClie
         call(api, "DELETE", f"{CRDS}/{manifest['metadata']['name']}")
 
 
+def test_schema_errors_in_unchanged_values_are_ratcheted(api: client.ApiClient, namespace: str) -> None:
+    """CRDValidationRatcheting: once the schema is tightened, a stored value that breaks it may stay as it is
+    while other fields (and the status) change; changing it to another invalid value is refused."""
+    spec = {"type": "object", "properties": {"size": {"type": "integer"}, "note": {"type": "string"}}}
+    status = {"type": "object", "properties": {"phase": {"type": "string"}}}
+    manifest = crd("sizes", "Size", spec, status)
+    path = install(api, manifest).format(ns=namespace)
+    created = call(api, "POST", path, {"apiVersion": "cel.example.com/v1", "kind": "Size",
+                                       "metadata": {"name": "s"}, "spec": {"size": 50}})
+    assert created.status == 201, created.body
+    stricter = copy.deepcopy(manifest)
+    stricter["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["size"][
+        "maximum"] = 10
+    install(api, stricter)
+    try:
+        assert patch(api, f"{path}/s", {"status": {"phase": "Ready"}}, "status").status == 200
+        assert patch(api, f"{path}/s", {"spec": {"note": "kept"}}).status == 200
+        refused = patch(api, f"{path}/s", {"spec": {"size": 60}})
+        assert refused.status == 422 and [c["field"] for c in refused.body["details"]["causes"]] == ["spec.size"]
+        assert call(api, "GET", f"{path}/s").body["spec"] == {"size": 50, "note": "kept"}  # nothing changed
+        fresh = call(api, "POST", path, {"apiVersion": "cel.example.com/v1", "kind": "Size",
+                                         "metadata": {"name": "t"}, "spec": {"size": 50}})
+        assert fresh.status == 422  # a create has nothing to ratchet against
+        assert patch(api, f"{path}/s", {"spec": {"size": 5}}).status == 200
+    finally:
+        call(api, "DELETE", f"{CRDS}/{manifest['metadata']['name']}")
+
+
 # ---- CRDs whose rules are wrong
 
 
