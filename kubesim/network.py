@@ -240,10 +240,10 @@ class ServiceAdmission:
         self._assign_cluster_ip(key, name, spec, old_spec)
         self._assign_node_ports(key, name, spec)
         if spec.get("type") == "LoadBalancer":
-            status = new.setdefault("status", {})
-            if old is not None and "loadBalancer" in (old.get("status") or {}):
-                status["loadBalancer"] = clone(old["status"]["loadBalancer"])
-            lb = status.setdefault("loadBalancer", {})
+            # A copy: the status of an update may be the stored one itself, which nobody edits in place.
+            status = new["status"] = dict(new.get("status") or {})
+            kept = (old.get("status") or {}).get("loadBalancer") if old is not None else None
+            lb = status["loadBalancer"] = clone(kept if kept is not None else status.get("loadBalancer") or {})
             if not lb.get("ingress"):
                 try:
                     lb["ingress"] = [{"ip": self.net.lb_ips.allocate(key, self._lb_stale), "ipMode": "VIP"}]

@@ -358,6 +358,9 @@ def test_load_balancer_gets_node_ports_and_an_ingress_ip(core: client.CoreV1Api,
 
     assert all(30000 <= p.node_port <= 32767 for p in svc.spec.ports)
     assert in_cidr(svc.status.load_balancer.ingress[0].ip, "127.3.0.0/16")
+    updated = core.patch_namespaced_service("web", namespace, {"metadata": {"labels": {"tier": "front"}}})
+    assert updated.status.load_balancer.ingress[0].ip == svc.status.load_balancer.ingress[0].ip  # kept on update
+    assert int(updated.metadata.resource_version) > int(svc.metadata.resource_version)  # and the update stored
 
 
 def echo_deployment(core: client.CoreV1Api, apps: client.AppsV1Api, namespace: str, name: str) -> None:
