@@ -55,7 +55,6 @@ TYPE_NAMES = frozenset({"bool", "bytes", "double", "duration", "int", "list", "m
                         "timestamp", "type", "uint", "dyn"})
 # What `self` shows of the metadata of a resource root or embedded resource (model.WithTypeAndObjectMeta).
 _OBJECT_META = {"type": "object", "properties": {"name": {"type": "string"}, "generateName": {"type": "string"}}}
-_META_FIELDS = ("apiVersion", "kind", "metadata")
 
 _PACKAGE = __name__.split(".")[0]
 
@@ -184,9 +183,6 @@ class RuleValidator:
     def __init__(self, crd_schema: Obj, tree: Node) -> None:
         self.schema = crd_schema
         self.tree = tree
-        # What the store validates structurally: the schema without the type and object metadata.
-        self._body_schema = {**crd_schema, "properties": {
-            k: v for k, v in (crd_schema.get("properties") or {}).items() if k not in _META_FIELDS}}
 
     def __call__(self, new: Obj, old: Obj | None, structural: list[Cause] | None = None) -> list[Cause]:
         """The rules' causes. `structural`: what the store's schema validation found, when it ran already."""
@@ -200,8 +196,7 @@ class RuleValidator:
     def _blocked(self, new: Obj, structural: list[Cause] | None) -> bool:
         if structural is None:
             structural = []
-            body = {k: v for k, v in new.items() if k not in _META_FIELDS}
-            schema.validate(self._body_schema, body, "", structural)
+            schema.validate_object(self.schema, new, None, structural)
         return any(c.get("reason") in BLOCKING_REASONS for c in structural)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .objects import clone
+from .objects import ByIdentity, clone
 
 Obj = dict[str, Any]
 Cause = dict[str, str]
@@ -75,6 +75,19 @@ _TYPE_NAMES = {"object": dict, "array": list, "string": str, "boolean": bool}
 
 
 _NOTHING: Any = object()
+META_FIELDS = ("apiVersion", "kind", "metadata")  # checked apart from the schema, as kube-apiserver does
+_body_schemas: ByIdentity[Obj] = ByIdentity(limit=1000)
+
+
+def validate_object(crd_schema: Obj, new: Obj, old: Obj | None, causes: list[Cause]) -> None:
+    """Validate a custom resource (without its type and object metadata) against its CRD's schema. On an
+    update, values equal to the stored ones are ratcheted (CRDValidationRatcheting, on by default since 1.30):
+    only what changed can fail, so a status write checks the status."""
+    body_schema = _body_schemas.get(crd_schema, lambda: {**crd_schema, "properties": {
+        k: v for k, v in (crd_schema.get("properties") or {}).items() if k not in META_FIELDS}})
+    body = {k: v for k, v in new.items() if k not in META_FIELDS}
+    stored = _NOTHING if old is None else {k: v for k, v in old.items() if k not in META_FIELDS}
+    validate(body_schema, body, "", causes, stored)
 
 
 def validate(schema: Obj, value: Any, path: str, causes: list[Cause], old: Any = _NOTHING) -> None:

@@ -520,11 +520,7 @@ class Store:
             hook(op, rtype, new, old)
         causes: list[dict[str, str]] = []
         if rtype.schema is not None:
-            # Ratcheting (CRDValidationRatcheting, on by default since 1.30): on an update, a value equal to the
-            # stored one is not validated again, so only what changed can fail (a status write checks status).
-            body = {k: v for k, v in new.items() if k not in _META_FIELDS}
-            stored = None if old is None else {k: v for k, v in old.items() if k not in _META_FIELDS}
-            schema.validate(_body_schema(rtype.schema), body, "", causes, stored)
+            schema.validate_object(rtype.schema, new, old, causes)
             if rtype.rules is not None:
                 causes.extend(rtype.rules(new, old, list(causes)))
         if rtype.validator is not None:
@@ -617,16 +613,6 @@ def _writable(rtype: ResourceType, patched: Obj, subresource: str) -> Obj:
     else:
         return clone(patched)
     return {k: clone(v) if k in writable else v for k, v in patched.items()}
-
-
-_META_FIELDS = ("apiVersion", "kind", "metadata")
-_body_schemas: ByIdentity[Obj] = ByIdentity(limit=1000)
-
-
-def _body_schema(crd_schema: Obj) -> Obj:
-    """The schema the body is validated with: without the type and object metadata, which are checked apart."""
-    return _body_schemas.get(crd_schema, lambda: {**crd_schema, "properties": {
-        k: v for k, v in (crd_schema.get("properties") or {}).items() if k not in _META_FIELDS}})
 
 
 def _spec_changed(old: Obj, new: Obj) -> bool:
