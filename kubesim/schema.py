@@ -31,9 +31,9 @@ def apply_defaults(schema: Obj, value: Any, old: Any = None) -> Any:
             if stored.get(name) is child:
                 continue
             if name in props:
-                value[name] = apply_defaults(props[name], child)
+                value[name] = apply_defaults(props[name], child, stored.get(name))
             elif isinstance(schema.get("additionalProperties"), dict):
-                value[name] = apply_defaults(schema["additionalProperties"], child)
+                value[name] = apply_defaults(schema["additionalProperties"], child, stored.get(name))
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         return [apply_defaults(schema["items"], v) for v in value]
     return value
@@ -58,9 +58,9 @@ def prune(schema: Obj, value: Any, path: str, unknown: list[str], *, root: bool 
             if name in keep or stored.get(name) is child:
                 out[name] = child
             elif props and name in props:
-                out[name] = prune(props[name], child, child_path, unknown)
+                out[name] = prune(props[name], child, child_path, unknown, old=stored.get(name))
             elif isinstance(extra, dict):
-                out[name] = prune(extra, child, child_path, unknown)
+                out[name] = prune(extra, child, child_path, unknown, old=stored.get(name))
             elif _preserve(schema) or extra is True:
                 out[name] = child
             else:

@@ -397,7 +397,7 @@ class ReplicaSetController(ControlLoop):
             diff = len(active) - int(rs["spec"].get("replicas", 1))
             if diff < 0:
                 for _ in range(min(-diff, BURST)):
-                    store.create(pod_type, self._pod(rs), namespace=ns)
+                    store.create(pod_type, self._pod(rs), namespace=ns, copy=False)
                 again = 0.0 if -diff > BURST else None
             elif diff > 0:
                 for pod in sorted(active, key=deletion_rank)[:min(diff, BURST)]:
@@ -551,7 +551,7 @@ class DeploymentController(ControlLoop):
         pod_hash = template_hash(d["spec"]["template"], collisions)
         rs = desired_replicaset(d, pod_hash, replicas, revision)
         try:
-            created = store.create(rs_type, rs, namespace=ns, manager="deployment-controller")
+            created = store.create(rs_type, rs, namespace=ns, manager="deployment-controller", copy=False)
         except errors.ApiError as exc:
             if exc.code != 409:
                 raise
