@@ -37,7 +37,7 @@ def field_set(rtype: ResourceType, obj: Obj, subresource: str = "") -> set[Path]
 def field_values(rtype: ResourceType, obj: Obj, subresource: str = "") -> dict[Path, Any]:
     """`field_set` with the value at each path (what `value_at` would find there), in one walk."""
     out: dict[Path, Any] = {}
-    for values in _grouped_values(rtype, obj, subresource).values():
+    for values in _endpoint(rtype, _grouped_values(rtype, obj), subresource).values():
         out.update(values)
     return out
 
@@ -45,28 +45,30 @@ def field_values(rtype: ResourceType, obj: Obj, subresource: str = "") -> dict[P
 Grouped = dict[str, dict[Path, Any]]  # field_values by top-level field
 
 
-def _grouped_values(rtype: ResourceType, obj: Obj, subresource: str, old: Obj | None = None,
-                    old_values: Grouped | None = None) -> Grouped:
-    """field_values by top-level field. A field that `obj` shares with `old` (the same object: writes copy only
-    what they change) takes its values from `old_values` instead of a walk."""
+def _grouped_values(rtype: ResourceType, obj: Obj, old: Obj | None = None, old_values: Grouped | None = None) \
+        -> Grouped:
+    """field_values of every top-level field. A field that `obj` shares with `old` (the same object: writes copy
+    only what they change) takes its values from `old_values` instead of a walk."""
     out: Grouped = {}
     for key, value in obj.items():
         if key in ("apiVersion", "kind"):
             continue
         if key == "metadata":
-            if subresource or not isinstance(value, dict):
-                continue
-            meta = {k: v for k, v in value.items() if k not in _SERVER_METADATA}
-            if meta:
-                _walk(rtype, ("metadata",), ("f:metadata",), meta, out.setdefault(key, {}))
-            continue
-        if rtype.status_subresource and (key == "status") != (subresource == "status"):
-            continue
-        if old_values is not None and old is not None and old.get(key) is value:
-            out[key] = old_values.get(key, {})
-            continue
-        _walk(rtype, (key,), ("f:" + key,), value, out.setdefault(key, {}))
+            if isinstance(value, dict):
+                meta = {k: v for k, v in value.items() if k not in _SERVER_METADATA}
+                if meta:
+                    _walk(rtype, ("metadata",), ("f:metadata",), meta, out.setdefault(key, {}))
+        elif old_values is not None and old is not None and old.get(key) is value and key in old_values:
+            out[key] = old_values[key]
+        else:
+            _walk(rtype, (key,), ("f:" + key,), value, out.setdefault(key, {}))
     return out
+
+
+def _endpoint(rtype: ResourceType, grouped: Grouped, subresource: str) -> Grouped:
+    """The fields the endpoint (main resource or `/status`) may change."""
+    return {key: values for key, values in grouped.items() if (key != "metadata" or not subresource)
+            and not (rtype.status_subresource and (key == "status") != (subresource == "status"))}
 
 
 def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, out: dict[Path, Any]) -> None:
@@ -96,7 +98,7 @@ def _walk(rtype: ResourceType, names: tuple[str, ...], path: Path, value: Any, o
     out[path] = value
 
 
-# _grouped_values of stored objects, by subresource.
+# _grouped_values of stored objects.
 _stored_values: ByIdentity[Grouped] = ByIdentity()
 
 
@@ -193,10 +195,13 @@ def write_entries(obj: Obj, entries: list[Entry]) -> None:
     for e in entries:
         if not e.paths:
             continue
-        reuse = e.fields_v1 is not None and e.paths == e.read_paths
+        if e.fields_v1 is not None and e.paths == e.read_paths:
+            tree = e.fields_v1
+        else:
+            tree = encode(e.paths)
+            _decoded.put(tree, frozenset(e.paths))  # what the next write's read_entries would decode
         mf: Obj = {"manager": e.manager, "operation": e.operation, "apiVersion": e.api_version,
-                   "time": e.time, "fieldsType": "FieldsV1",
-                   "fieldsV1": e.fields_v1 if reuse else encode(e.paths)}
+                   "time": e.time, "fieldsType": "FieldsV1", "fieldsV1": tree}
         if e.subresource:
             mf["subresource"] = e.subresource
         out.append(mf)
@@ -231,10 +236,10 @@ def track_update(rtype: ResourceType, old: Obj | None, new: Obj, manager: str, s
                  api_version: str, now: str) -> None:
     """Give `manager` (operation Update) the fields this write changed, taking them from everyone else."""
     entries = read_entries(old) if old is not None else []
-    before = _stored_values.get(old, lambda: _grouped_values(rtype, old, subresource), subresource) \
-        if old is not None else {}
-    after = _grouped_values(rtype, new, subresource, old, before)
-    _stored_values.put(new, after, subresource)  # `new` is about to be stored: its next write reads this
+    stored = _stored_values.get(old, lambda: _grouped_values(rtype, old)) if old is not None else {}
+    written = _grouped_values(rtype, new, old, stored)
+    _stored_values.put(new, written)  # `new` is about to be stored: its next write, whatever the endpoint, reads this
+    before, after = _endpoint(rtype, stored, subresource), _endpoint(rtype, written, subresource)
     changed: set[Path] = set()
     removed: set[Path] = set()
     for key in before.keys() | after.keys():

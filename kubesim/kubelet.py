@@ -383,7 +383,7 @@ class Kubelet(ControlLoop):
             return None  # bound to a node that does not exist here
         if not pod["spec"].get("nodeName"):
             pod = store.mutate(pod_type, ns, name, lambda o: o["spec"].update(nodeName=NODE_NAME),
-                               manager="default-scheduler")
+                               manager="default-scheduler", only="spec")
             if pod is None:
                 return None
         if rt is None:

@@ -492,7 +492,7 @@ class EndpointsController(ControlLoop):
             obj["subsets"] = subsets
             obj["metadata"]["labels"] = labels
 
-        store.mutate(ep_type, ns, name, change, manager="endpoint-controller")
+        store.mutate(ep_type, ns, name, change, manager="endpoint-controller", only="metadata")
         return None
 
 

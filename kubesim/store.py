@@ -417,20 +417,19 @@ class Store:
             return self._commit(rtype, DELETED, old, old), True
 
     def mutate(self, rtype: ResourceType, namespace: str, name: str, change: Callable[[Obj], bool | None], *,
-               subresource: str = "", manager: str = "kubesim", only: str = "") -> Obj | None:
+               subresource: str = "", manager: str = "kubesim", only: str | tuple[str, ...] = "") -> Obj | None:
         """Read, change a copy, write; retried on conflict. `change` returns False to write nothing.
 
-        `only` names the one top-level field `change` edits ("metadata", "spec"; "status" through /status): only
-        that field is copied, the rest is shared with the stored version, which nobody edits in place."""
-        only = "status" if subresource == "status" else only
+        `only` names the top-level fields `change` edits ("metadata", "spec"; "status" through /status): only
+        those are copied, the rest is shared with the stored version, which nobody edits in place."""
+        edited = ("status",) if subresource == "status" else (only,) if isinstance(only, str) and only else only
         for _ in range(20):
             cur = self.find(rtype, namespace, name)
             if cur is None:
                 return None
-            if only:
+            if edited:
                 new = {**cur, "metadata": dict(cur["metadata"])}
-                if only in cur:
-                    new[only] = clone(cur[only])
+                new.update((key, clone(cur[key])) for key in edited if key in cur)
             else:
                 new = clone(cur)
             if change(new) is False:

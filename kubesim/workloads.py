@@ -514,7 +514,7 @@ class DeploymentController(ControlLoop):
 
         meta = rs["metadata"]
         return self.store.mutate(self.store.type("apps/replicasets"), meta.get("namespace", ""), meta["name"],
-                                 change, manager="deployment-controller") or rs
+                                 change, manager="deployment-controller", only=("metadata", "spec")) or rs
 
     def _sync_revision(self, d: Obj, new_rs: Obj, old_rss: list[Obj]) -> Obj:
         """A ReplicaSet that becomes current again (a rollback) takes the next revision number."""
