@@ -14,6 +14,7 @@ import datetime
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from .informer import Key
 from .kubeapi import APPLY, MERGE_PATCH, ApiError, KubeApi
 from .settings import Settings
 from .spec import BMCSpec
-from .status import IN_PROGRESS, Observed, desired_status, status_patch, transitions
+from .status import IN_PROGRESS, Observed, desired_status, progress_only, status_patch, transitions
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -105,6 +106,8 @@ def _decode(secret: Obj | None, key: str) -> bytes:
 
 
 class Reconciler:
+    PROGRESS_INTERVAL = 1.0  # seconds between reports of a rollout's steps (Ready itself is reported at once)
+
     def __init__(self, api: KubeApi, caches: Caches, settings: Settings, recorder: EventRecorder,
                  clock: Callable[[], datetime.datetime] = utcnow) -> None:
         self.api = api
@@ -115,6 +118,9 @@ class Reconciler:
         # What this controller wrote, by (kind, ns, name), until the cache shows that resourceVersion or newer.
         self._written: dict[tuple[str, str, str], Obj] = {}
         self._lock = threading.Lock()
+        # BMCs whose rollout moved on while a progress report waits (monotonic time since when), so that a rollout
+        # is reported at most every PROGRESS_INTERVAL seconds rather than at each of its steps.
+        self._progress_since: dict[Key, float] = {}
         for kind, informer in (("VirtualMachineBMC", caches.bmcs), *caches.children.items()):
             informer.handlers.append(functools.partial(self._seen, kind))
 
@@ -152,6 +158,7 @@ class Reconciler:
         namespace, name = key
         bmc = self._cached("VirtualMachineBMC", namespace, name)
         if bmc is None or (bmc.get("metadata") or {}).get("deletionTimestamp"):
+            self._progress_since.pop(key, None)
             return Result()  # the children go with it: they carry its ownerReference
         try:
             spec = BMCSpec.of(bmc)
@@ -298,6 +305,13 @@ class Reconciler:
         now = self.clock().strftime("%Y-%m-%dT%H:%M:%SZ")
         want = desired_status(bmc, observed, now)
         patch = status_patch(bmc.get("status"), want)
+        key = (meta["namespace"], meta["name"])
+        if patch is not None and progress_only(bmc.get("status"), patch):
+            since = self._progress_since.setdefault(key, time.monotonic())
+            wait = self.PROGRESS_INTERVAL - (time.monotonic() - since)
+            if wait > 0:
+                return Result(requeue_after=wait)
+        self._progress_since.pop(key, None)
         if patch is None:
             return Result()
         path = f"{BMCS.path(meta['namespace'])}/{meta['name']}/status"

@@ -145,6 +145,20 @@ def status_patch(current: Obj | None, desired: Obj) -> Obj | None:
     return patch or None
 
 
+def progress_only(current: Obj | None, patch: Obj) -> bool:
+    """Whether a status patch only moves a rollout from one step to the next: Ready stays False for an
+    in-progress reason before and after, and no other condition but AgentReady changes."""
+    if set(patch) != {"conditions"}:
+        return False
+    before = {c.get("type"): c for c in (current or {}).get("conditions") or []}
+    after = {c.get("type"): c for c in patch["conditions"] or []}
+    was, now = before.get(READY) or {}, after.get(READY) or {}
+    return (was.get("status") == now.get("status") == "False" and was.get("reason") in IN_PROGRESS
+            and now.get("reason") in IN_PROGRESS
+            and all(before.get(t) == after.get(t) for t in before.keys() | after.keys()
+                    if t not in (READY, AGENT_READY)))
+
+
 def transitions(current: Obj | None, desired: Obj) -> list[Obj]:
     """Conditions whose status or reason changed (each worth an Event)."""
     before = {c.get("type"): c for c in ((current or {}).get("conditions") or [])}

@@ -13,7 +13,7 @@ import pytest
 from controller import certificates, desired
 from controller.reconciler import difference, stale_owned_keys
 from controller.settings import Settings, add_arguments, settings_from
-from controller.status import Observed, agent_readiness, desired_status, status_patch
+from controller.status import Observed, agent_readiness, desired_status, progress_only, status_patch
 from controller.workqueue import WorkQueue
 from vbmc import agent
 
@@ -155,6 +155,25 @@ def test_ready_condition(observed: Observed, ready: str, why: str) -> None:
     cond = status["conditions"][0]
     assert (cond["type"], cond["status"], cond["reason"]) == ("Ready", ready, why)
     assert status["observedGeneration"] == 3
+
+
+def test_only_the_steps_of_a_rollout_count_as_progress() -> None:
+    """Progress reports are spaced out (Reconciler.PROGRESS_INTERVAL); everything else is written at once."""
+    def status(observed: Observed) -> dict[str, Any]:
+        return desired_status(bmc(), observed, "2026-01-01T00:00:00Z")
+
+    starting = status(Observed(True, None, cluster_ip="10.0.0.1",
+                               deployment=ready_deployment(observedGeneration=1)))
+    not_ready = status(Observed(True, None, cluster_ip="10.0.0.1", deployment=ready_deployment(readyReplicas=0)))
+    ready = status(Observed(True, None, cluster_ip="10.0.0.1", deployment=ready_deployment()))
+    secret_gone = status(Observed(True, ("SecretNotFound", "x"), cluster_ip="10.0.0.1",
+                                  deployment=ready_deployment(readyReplicas=0)))
+    step = status_patch(starting, not_ready)
+    assert step is not None and progress_only(starting, step)
+    assert not progress_only(not_ready, status_patch(not_ready, ready) or {})  # Ready: at once
+    assert not progress_only(None, status_patch(None, starting) or {})  # the first status: at once
+    assert not progress_only(not_ready, status_patch(not_ready, secret_gone) or {})  # another condition
+    assert not progress_only(starting, {**step, "observedGeneration": 4})  # more than the conditions
 
 
 def test_a_cluster_ip_alone_is_not_ready() -> None:
