@@ -7,7 +7,8 @@ the figures are the controller's and the API server's, not the agents'. The peer
 Writes are counted by kubesim's global resourceVersion, which moves once per write of anybody: it counts every
 write in the cluster. Leader election renews its Lease every 2 s by design; the steady-state window is measured
 with leader election off, and the controller's own counter (kubevbmc_controller_api_writes_total) is shown too.
-Usage: python bench/controller.py [--bmcs N] [--steady SECONDS]
+kubesim keeps its threads on one CPU (its --cpu, here --sim-cpu): `--sim-cpu all` shows the difference.
+Usage: python bench/controller.py [--bmcs N] [--steady SECONDS] [--sim-cpu auto|all|N]
 """
 
 from __future__ import annotations
@@ -149,10 +150,13 @@ def main() -> int:
     parser.add_argument("--steady", type=float, default=60, help="seconds of steady state (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=180, help="give up waiting for Ready after this")
     parser.add_argument("--clients", type=int, default=4, help="concurrent creators (default %(default)s)")
+    parser.add_argument("--sim-cpu", default="auto", metavar="auto|all|N",
+                        help="kubesim's --cpu: the CPU its threads share (default %(default)s; all spreads them "
+                             "over every CPU, as before kubesim pinned itself)")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-controller-"))
-    sim = start_sim(workdir / "sim", "--kubelet", "fake")
+    sim = start_sim(workdir / "sim", "--kubelet", "fake", "--cpu", args.sim_cpu)
     controller: subprocess.Popen[Any] | None = None
     try:
         api = KubeClient(load_credentials(sim.kubeconfig), timeout=30, maxsize=args.clients)

@@ -54,6 +54,9 @@ class SimConfig:
     load_balancer_cidr: str = "127.3.0.0/16"
     node_port_host: str = "127.0.0.1"
     log_dir: str = ""
+    # The CPUs container processes run on when kubesim's own threads were pinned to one (see cpu.py); None: as
+    # the process that starts them.
+    process_cpus: frozenset[int] | None = None
 
 
 class Component(Protocol):

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors
+from .cpu import unpinned
 from .loop import ControlLoop, status_only
 from .network import network_of
 from .objects import now, set_condition
@@ -565,7 +566,7 @@ class Kubelet(ControlLoop):
         try:
             if not argv:
                 raise FileNotFoundError("no command given and no local entrypoint configured for the image")
-            with open(log_path, "ab") as out:
+            with open(log_path, "ab") as out, unpinned(self.config.process_cpus):
                 c.proc = subprocess.Popen(argv, env=env, cwd=workdir if workdir and os.path.isdir(workdir) else None,
                                           stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True, close_fds=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import socket
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -233,6 +235,36 @@ def test_pod_process_gets_secret_env_pod_ip_and_expanded_variables(core: client.
     assert seen["POD_IP"] == p.status.pod_ip
     assert seen["GREETING"] == f"at {p.status.pod_ip} not $(POD_IP)"
     assert Path(seen["KUBECONFIG"]).is_file()
+
+
+def test_kubesim_threads_share_one_cpu_and_pod_processes_get_them_all(sim: Sim, core: client.CoreV1Api,
+                                                                       namespace: str, tmp_path: Path) -> None:
+    out = tmp_path / "cpus.json"
+    code = """
+        import json, os, sys, time
+        with open(sys.argv[1], "w") as fh:
+            json.dump(sorted(os.sched_getaffinity(0)), fh)
+        time.sleep(300)
+    """
+    core.create_namespaced_pod(namespace, pod("p", [python_container(code, args=[str(out)])]))
+
+    seen = wait_for(lambda: out.exists() and json.loads(out.read_text() or "null"), what="the process output")
+
+    everything = sorted(os.sched_getaffinity(0))
+    assert seen == everything  # the agent kubesim started is not confined to kubesim's CPU
+    task_dir = Path(f"/proc/{sim.process.pid}/task")
+    masks = {next(line.split(":")[1].strip() for line in (task / "status").read_text().splitlines()
+                  if line.startswith("Cpus_allowed_list:")) for task in task_dir.iterdir()}
+    assert masks == {str(everything[-1])}  # every kubesim thread, the API server's and the controllers'
+
+
+def test_kubesim_refuses_a_cpu_it_may_not_use(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "vbmc", "sim", "--listen", "127.0.0.1:0", "--kubeconfig",
+                           str(tmp_path / "kubeconfig"), "--cpu", str(max(os.sched_getaffinity(0)) + 1)],
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 2
+    assert "is not one this process may use" in done.stderr
+    assert not (tmp_path / "kubeconfig").exists()
 
 
 def test_missing_secret_leaves_container_waiting_with_config_error(core: client.CoreV1Api, namespace: str) -> None:
