@@ -38,6 +38,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/sim.py
 	$(BIN)/python bench/agent.py
 	$(BIN)/python bench/controller.py
+	$(BIN)/python bench/apply.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
