@@ -282,6 +282,41 @@ def test_channel_info_shows_the_lan_channel_and_its_access(bmc: IpmiServer) -> N
     assert ok(ipmitool(bmc, "raw", "0x06", "0x41", "0x01", "0x80")).split() == ["22", "04"]
 
 
+def test_user_list_shows_the_one_account_as_user_2(bmc: IpmiServer) -> None:
+    rows = [line.split() for line in ok(ipmitool(bmc, "user", "list", "1")).splitlines()[1:]]
+    # user 1, the null user, has no name and no access; user 2 is the Secret's account
+    assert rows == [["1", "true", "false", "false", "NO", "ACCESS"],
+                    ["2", USER, "true", "false", "true", "ADMINISTRATOR"]]
+    summary = ok(ipmitool(bmc, "user", "summary", "1"))
+    assert "Maximum IDs\t    : 2" in summary
+    assert "Enabled User Count  : 1" in summary
+    assert "Fixed Name Count    : 2" in summary
+
+
+def test_channel_getaccess_shows_the_accounts_privilege(bmc: IpmiServer) -> None:
+    out = ok(ipmitool(bmc, "channel", "getaccess", "1", "2"))
+    assert f"User Name            : {USER}" in out
+    assert "Enable Status        : enabled" in out
+    assert "IPMI Messaging       : enabled" in out
+    assert "Privilege Level      : ADMINISTRATOR" in out
+
+
+def test_freeipmi_reads_the_account_with_ipmi_config(bmc: IpmiServer) -> None:
+    # The LAN keys of the section (its Serial_ keys fail on any BMC without a serial channel, as this one).
+    keys = ("Username", "Enable_User", "Lan_Enable_IPMI_Msgs", "Lan_Privilege_Limit")
+    out = ok(freeipmi("ipmi-config", bmc, "--checkout", *(f"--key-pair=User2:{key}" for key in keys)))
+    values = dict(line.split(None, 1) for line in out.splitlines() if line.startswith("\t") and "#" not in line)
+    assert values == {"Username": USER, "Enable_User": "Yes", "Lan_Enable_IPMI_Msgs": "Yes",
+                      "Lan_Privilege_Limit": "Administrator"}
+
+
+def test_user_ids_beyond_the_last_are_invalid_data(bmc: IpmiServer) -> None:
+    for command in (["0x44", "0x01", "0x03"], ["0x46", "0x03"]):
+        result = ipmitool(bmc, "raw", "0x06", *command)
+        assert result.returncode != 0
+        assert "rsp=0xcc" in result.stderr
+
+
 def test_unknown_command_is_invalid_command(bmc: IpmiServer) -> None:
     result = ipmitool(bmc, "raw", "0x3a", "0x01")
     assert result.returncode != 0
@@ -644,6 +679,29 @@ def test_channel_auth_capabilities(request_data: bytes, expected: tuple[Completi
 ])
 def test_channel_access(request_data: bytes, expected: tuple[Completion, bytes]) -> None:
     assert codec.channel_access(1, request_data) == expected
+
+
+@pytest.mark.parametrize(("request_data", "expected"), [
+    (b"\x01\x02", (Completion.OK, bytes([2, 0x41, 2, 0x14]))),  # the account: enabled, messaging, Administrator
+    (b"\x0e\x02", (Completion.OK, bytes([2, 0x41, 2, 0x14]))),  # the channel asked on
+    (b"\x01\x01", (Completion.OK, bytes([2, 0x81, 2, 0x0F]))),  # the null user: disabled, no access
+    (b"\x01\x03", (Completion.INVALID_DATA_FIELD, b"")),
+    (b"\x01\x00", (Completion.INVALID_DATA_FIELD, b"")),
+    (b"\x02\x02", (Completion.INVALID_DATA_FIELD, b"")),
+    (b"\x01", (Completion.REQUEST_DATA_LENGTH_INVALID, b"")),
+])
+def test_user_access(request_data: bytes, expected: tuple[Completion, bytes]) -> None:
+    assert codec.user_access(1, request_data) == expected
+
+
+@pytest.mark.parametrize(("request_data", "expected"), [
+    (b"\x02", (Completion.OK, b"admin".ljust(16, b"\0"))),
+    (b"\x01", (Completion.OK, bytes(16))),
+    (b"\x03", (Completion.INVALID_DATA_FIELD, b"")),
+    (b"", (Completion.REQUEST_DATA_LENGTH_INVALID, b"")),
+])
+def test_user_name(request_data: bytes, expected: tuple[Completion, bytes]) -> None:
+    assert codec.user_name(request_data, "admin") == expected
 
 
 def test_channel_info_counts_active_sessions() -> None:

@@ -44,6 +44,8 @@ SET_SESSION_PRIVILEGE_LEVEL = 0x3B
 CLOSE_SESSION = 0x3C
 GET_CHANNEL_ACCESS = 0x41
 GET_CHANNEL_INFO = 0x42
+GET_USER_ACCESS = 0x44
+GET_USER_NAME = 0x46
 GET_CHANNEL_CIPHER_SUITES = 0x54
 
 
@@ -374,6 +376,45 @@ def channel_info(channel: int, request: bytes, active_sessions: int = 0) -> tupl
     protocol_ipmb = 0x01
     multi_session = 0x80 | min(active_sessions, 0x3F)
     return Completion.OK, bytes([channel, medium_lan_802_3, protocol_ipmb, multi_session, 0xF2, 0x1B, 0x00, 0, 0])
+
+
+# The users (sections 22.26 to 22.29): the BMC's one account, the Secret's, is user ID 2, where most BMCs keep the
+# administrator and scripts look for it; user ID 1 is the null user the specification reserves, without access.
+# Neither can be changed over IPMI (no Set User commands): the Secret is the one place the account is set.
+ACCOUNT_USER_ID = 2
+MAX_USER_IDS = 2
+
+
+def user_access(channel: int, request: bytes) -> tuple[Completion, bytes]:
+    """Get User Access (section 22.27, table 22-32) on the one LAN channel:
+
+    - data 1: the maximum user ID, 2;
+    - data 2 bits 7:6, the user's enable status (01b enabled, 10b disabled), bits 5:0: one user ID enabled;
+    - data 3: two user IDs with fixed names (user 1 and the account: no Set User Name);
+    - data 4: for the account, call-in allowed (bit 6 clear), IPMI messaging enabled (bit 4), no link
+      authentication (bit 5: there is no PPP link), privilege limit Administrator; for user 1, 0Fh (no access).
+    """
+    if len(request) < 2:
+        return Completion.REQUEST_DATA_LENGTH_INVALID, b""
+    user_id = request[1] & 0x3F
+    if request[0] & 0x0F not in (channel, 0x0E) or not 1 <= user_id <= MAX_USER_IDS:
+        return Completion.INVALID_DATA_FIELD, b""
+    account = user_id == ACCOUNT_USER_ID
+    enabled, disabled = 0b01 << 6, 0b10 << 6
+    ipmi_messaging, no_access = 0x10, 0x0F
+    return Completion.OK, bytes([MAX_USER_IDS, (enabled if account else disabled) | 1, 2,
+                                 ipmi_messaging | Privilege.ADMINISTRATOR if account else no_access])
+
+
+def user_name(request: bytes, account: str) -> tuple[Completion, bytes]:
+    """Get User Name (section 22.29, table 22-35): 16 bytes padded with zeros; user 1's name is all zeros."""
+    if not request:
+        return Completion.REQUEST_DATA_LENGTH_INVALID, b""
+    user_id = request[0] & 0x3F
+    if not 1 <= user_id <= MAX_USER_IDS:
+        return Completion.INVALID_DATA_FIELD, b""
+    name = account.encode()[:16] if user_id == ACCOUNT_USER_ID else b""
+    return Completion.OK, name.ljust(16, b"\0")
 
 
 # Get Channel Access (section 22.23, table 22-28), data 1 bits 7:6 of the request: which settings to read.

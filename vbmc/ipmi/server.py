@@ -56,6 +56,7 @@ class IpmiServer:
                  address: tuple[str, int] = ("0.0.0.0", 623)) -> None:
         self.machine = machine
         self._credentials = {username: password.encode()}
+        self._username = username
         self._bind_address = address
         inventory = machine.inventory()
         self._vm = inventory.name
@@ -88,6 +89,8 @@ class IpmiServer:
                 "get_channel_cipher_suites", Privilege.CALLBACK, self._get_channel_cipher_suites),
             (app, codec.GET_CHANNEL_ACCESS): Command("get_channel_access", user, self._get_channel_access),
             (app, codec.GET_CHANNEL_INFO): Command("get_channel_info", user, self._get_channel_info),
+            (app, codec.GET_USER_ACCESS): Command("get_user_access", operator, self._get_user_access),
+            (app, codec.GET_USER_NAME): Command("get_user_name", operator, self._get_user_name),
             (chassis, codec.GET_CHASSIS_STATUS): Command("get_chassis_status", user, self._get_chassis_status),
             (chassis, codec.CHASSIS_CONTROL): Command("chassis_control", operator, self._chassis_control, True),
             (chassis, codec.CHASSIS_IDENTIFY): Command("chassis_identify", operator, self._chassis_identify, True),
@@ -314,6 +317,12 @@ class IpmiServer:
 
     def _get_channel_access(self, data: bytes) -> Reply:
         return Reply(*codec.channel_access(LAN_CHANNEL, data))
+
+    def _get_user_access(self, data: bytes) -> Reply:
+        return Reply(*codec.user_access(LAN_CHANNEL, data))
+
+    def _get_user_name(self, data: bytes) -> Reply:
+        return Reply(*codec.user_name(data, self._username))
 
     # ---- chassis (netfn Chassis)
 
