@@ -195,12 +195,14 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
         "volumeMounts": mounts,
     }
     pod_labels = labels(bmc, vm)
+    pull_secrets = [{"name": secret} for secret in settings.agent_image_pull_secrets]
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(bmc, name, vm), "spec": {
         "replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector(vm)},
         "template": {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": {
             "serviceAccountName": name, "automountServiceAccountToken": True,
             "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
+            **({"imagePullSecrets": pull_secrets} if pull_secrets else {}),
             "containers": [container], "volumes": volumes}}}}
 
 

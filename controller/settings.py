@@ -17,6 +17,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 class Settings:
     agent_image: str = "kubevbmc:dev"
     agent_image_pull_policy: str = ""  # "": the pod template leaves it to Kubernetes' default
+    agent_image_pull_secrets: tuple[str, ...] = ()  # Secrets in each VirtualMachineBMC's namespace
     agent_log_level: str = "info"  # the agents' --log-level: debug also logs every IPMI read
     default_service_type: str = "ClusterIP"  # for a VirtualMachineBMC that leaves spec.service.type unset
     namespace: str = ""  # "" watches every namespace
@@ -39,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the image of the agent pods (default %(default)s)")
     parser.add_argument("--agent-image-pull-policy", default=env("KUBEVBMC_AGENT_IMAGE_PULL_POLICY", ""),
                         choices=("", *PULL_POLICIES), help="imagePullPolicy of the agent pods (default: unset)")
+    parser.add_argument("--agent-image-pull-secrets", default=env("KUBEVBMC_AGENT_IMAGE_PULL_SECRETS", ""),
+                        metavar="NAME[,NAME...]",
+                        help="Secrets in each VirtualMachineBMC's namespace to pull the agent image with (default: "
+                             "none)")
     parser.add_argument("--agent-log-level", default=env("KUBEVBMC_AGENT_LOG_LEVEL", "info"), choices=LOG_LEVELS,
                         help="the --log-level of the agents (default %(default)s; debug logs IPMI reads too)")
     parser.add_argument("--default-service-type", default=env("KUBEVBMC_DEFAULT_SERVICE_TYPE", "ClusterIP"),
@@ -62,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
+    pull_secrets = str(args.agent_image_pull_secrets).split(",")
     return Settings(agent_image=args.agent_image, agent_image_pull_policy=args.agent_image_pull_policy,
+                    agent_image_pull_secrets=tuple(dict.fromkeys(s.strip() for s in pull_secrets if s.strip())),
                     agent_log_level=args.agent_log_level,
                     default_service_type=args.default_service_type, namespace=args.namespace,
                     workers=max(1, args.workers), resync_seconds=args.resync, metrics_address=args.metrics_address,

@@ -113,6 +113,25 @@ def test_the_agent_log_level_setting_reaches_the_agents_own_flag(monkeypatch: py
     assert agent_flags.parse_args(container["args"][1:]).log_level == level
 
 
+@pytest.mark.parametrize(("environment", "flags", "pod_secrets"), [
+    ({}, [], None),  # none: the pod spec has no imagePullSecrets at all
+    ({"KUBEVBMC_AGENT_IMAGE_PULL_SECRETS": "registry, mirror,,registry"}, [], ["registry", "mirror"]),
+    ({"KUBEVBMC_AGENT_IMAGE_PULL_SECRETS": "registry"},
+     ["--agent-image-pull-secrets", "a,b"], ["a", "b"]),  # the flag wins
+])
+def test_agent_image_pull_secrets_reach_the_agent_pod(monkeypatch: pytest.MonkeyPatch, environment: dict[str, str],
+                                                      flags: list[str], pod_secrets: list[str] | None) -> None:
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    controller_flags = argparse.ArgumentParser()
+    add_arguments(controller_flags)
+    settings = settings_from(controller_flags.parse_args(flags))
+    pod = desired.desired_deployment(bmc(), "vm", settings, secret(username="u", password="p"),
+                                     None)["spec"]["template"]["spec"]
+    got = pod.get("imagePullSecrets")
+    assert got == (None if pod_secrets is None else [{"name": name} for name in pod_secrets])
+
+
 def test_an_agent_log_level_the_agent_does_not_know_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     controller_flags = argparse.ArgumentParser()
     add_arguments(controller_flags)

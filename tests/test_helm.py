@@ -41,6 +41,7 @@ CUSTOM: Obj = {
     "image": {"repository": "registry.example.com/infra/kubevbmc", "tag": "1.2.3", "pullPolicy": "Always"},
     "agent": {"image": {"repository": "registry.example.com/infra/kubevbmc-agent", "tag": "1.2.3-a",
                         "pullPolicy": "Never"},
+              "imagePullSecrets": [{"name": "agent-registry"}, {"name": "mirror.example.com"}],
               "serviceType": "LoadBalancer", "logLevel": "warning"},
     "imagePullSecrets": [{"name": "registry-creds"}],
     "watchNamespace": "bmcs",
@@ -229,6 +230,7 @@ def test_default_values_render_a_locked_down_controller_with_its_rbac(chart: hel
     settings = controller_settings(container)
     assert settings.agent_image == f"ghcr.io/kubevbmc/kubevbmc:{APP_VERSION}"
     assert settings.agent_image_pull_policy == "IfNotPresent"
+    assert settings.agent_image_pull_secrets == ()
     assert settings.default_service_type == "ClusterIP"
     assert settings.agent_log_level == "info"
     assert settings.namespace == ""  # every namespace
@@ -261,6 +263,7 @@ def test_custom_values_reach_the_pod_the_controller_flags_and_the_bindings(chart
     settings = controller_settings(container)
     assert settings.agent_image == "registry.example.com/infra/kubevbmc-agent:1.2.3-a"
     assert settings.agent_image_pull_policy == "Never"
+    assert settings.agent_image_pull_secrets == ("agent-registry", "mirror.example.com")
     assert settings.default_service_type == "LoadBalancer"
     assert settings.agent_log_level == "warning"
     assert settings.namespace == "bmcs" and settings.workers == 2
