@@ -156,6 +156,8 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
     args = ["agent", "--namespace", "$(POD_NAMESPACE)", "--vm", vm, "--vmbmc", bmc["metadata"]["name"],
             "--ipmi-address", f"$(POD_IP):{IPMI_PORT}" if spec.ipmi.enabled else "",
             "--redfish-address", f"$(POD_IP):{HTTP_PORT}", "--log-level", settings.agent_log_level]
+    if not spec.redfish.enabled:
+        args += ["--redfish", "false"]  # the HTTP listener then serves the probes only
     ports: list[Obj] = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     if spec.ipmi.enabled:
         ports.insert(0, {"name": "ipmi", "containerPort": IPMI_PORT, "protocol": "UDP"})

@@ -45,6 +45,23 @@ def test_agent_health_endpoints_need_no_credentials(memory_agent: AgentProcess) 
             assert resp.status == 200
 
 
+def test_agent_without_redfish_answers_ipmi_and_its_probes_only() -> None:
+    agent = AgentProcess("--backend", "memory", "--vm", "demo", "--redfish", "false")
+    try:
+        wait_for(agent.ready, timeout=15, what="the agent to be ready")
+        with urllib.request.urlopen(agent.url + "/healthz", timeout=2) as resp:
+            assert resp.status == 200
+        for path in ("/redfish/v1", "/redfish/v1/Systems/demo"):
+            status, body = agent.redfish("GET", path)
+            assert status == 404
+            assert body["error"]["code"] == "Base.1.19.ServiceDisabled"
+        status, _ = agent.redfish("POST", "/redfish/v1/Systems/demo/Actions/ComputerSystem.Reset", {"ResetType": "On"})
+        assert status == 404
+        assert "Chassis Power is off" in agent.ipmitool("power", "status").stdout  # the POST changed nothing
+    finally:
+        agent.stop()
+
+
 def test_agent_stops_within_two_seconds_on_sigterm(memory_agent: AgentProcess) -> None:
     began = time.monotonic()
     assert memory_agent.stop() == 0

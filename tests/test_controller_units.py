@@ -64,6 +64,24 @@ def test_service_ports_follow_the_enabled_protocols(spec: dict[str, Any], ports:
     assert [(p["name"], p["port"], p["protocol"]) for p in svc["spec"]["ports"]] == ports
 
 
+@pytest.mark.parametrize(("spec", "serves"), [
+    ({}, {"ipmi": True, "redfish": True, "tls": True}),
+    ({"redfish": {"enabled": False}}, {"ipmi": True, "redfish": False, "tls": False}),
+    ({"ipmi": {"enabled": False}}, {"ipmi": False, "redfish": True, "tls": True}),
+])
+def test_the_agent_serves_only_the_enabled_protocols(spec: dict[str, Any], serves: dict[str, bool]) -> None:
+    b = bmc(**spec)
+    tls = desired.desired_tls_secret(b, "vm", certificates.TLSMaterial(b"c", b"k", b"a"))
+    container = desired.desired_deployment(b, "vm", Settings(), secret(username="u", password="p"),
+                                           tls)["spec"]["template"]["spec"]["containers"][0]
+    agent_flags = argparse.ArgumentParser()
+    agent.add_arguments(agent_flags)
+    args = agent_flags.parse_args([a.replace("$(POD_IP)", "10.0.0.9").replace("$(POD_NAMESPACE)", "ns")
+                                   for a in container["args"][1:]])
+    assert {"ipmi": bool(args.ipmi_address), "redfish": args.redfish == "true",
+            "tls": bool(args.redfish_tls_address)} == serves
+
+
 def test_service_type_and_annotations_come_from_the_spec() -> None:
     svc = desired.desired_service(bmc(service={"type": "LoadBalancer", "annotations": {"a": "1"}}), "vm")
     assert svc["spec"]["type"] == "LoadBalancer" and svc["metadata"]["annotations"] == {"a": "1"}

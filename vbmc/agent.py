@@ -36,6 +36,7 @@ class AgentConfig:
     backend: str = "kubevirt"
     ipmi_address: str = "0.0.0.0:10623"
     redfish_address: str = "0.0.0.0:10080"
+    redfish: bool = True  # False: the HTTP listener serves /healthz and /readyz only
     redfish_tls_address: str = ""
     tls_cert: str = ""
     tls_key: str = ""
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="UDP address for IPMI; empty disables IPMI (default %(default)s)")
     parser.add_argument("--redfish-address", default=env("VBMC_REDFISH_ADDRESS", "0.0.0.0:10080"),
                         metavar="HOST:PORT", help="HTTP address for Redfish and /healthz, /readyz")
+    parser.add_argument("--redfish", default=env("VBMC_REDFISH", "true"), choices=("true", "false"),
+                        help="serve Redfish; false leaves the HTTP listener to /healthz and /readyz "
+                             "(default %(default)s)")
     parser.add_argument("--redfish-tls-address", default=env("VBMC_REDFISH_TLS_ADDRESS", ""), metavar="HOST:PORT")
     parser.add_argument("--tls-cert", default=env("VBMC_TLS_CERT", ""), metavar="FILE")
     parser.add_argument("--tls-key", default=env("VBMC_TLS_KEY", ""), metavar="FILE")
@@ -74,6 +78,8 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
         problems.append("--vm is required")
     if args.backend == "kubevirt" and not args.namespace:
         problems.append("--namespace is required with the kubevirt backend")
+    if args.redfish_tls_address and args.redfish == "false":
+        problems.append("--redfish-tls-address serves Redfish: it cannot go with --redfish false")
     if args.redfish_tls_address and not (args.tls_cert and args.tls_key):
         problems.append("--redfish-tls-address needs --tls-cert and --tls-key")
     for path in (args.tls_cert, args.tls_key):
@@ -83,7 +89,8 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
         raise ValueError("; ".join(problems))
     return AgentConfig(namespace=args.namespace or "default", vm=args.vm, vmbmc=args.vmbmc, username=username,
                        password=password, backend=args.backend, ipmi_address=args.ipmi_address,
-                       redfish_address=args.redfish_address, redfish_tls_address=args.redfish_tls_address,
+                       redfish_address=args.redfish_address, redfish=args.redfish != "false",
+                       redfish_tls_address=args.redfish_tls_address,
                        tls_cert=args.tls_cert, tls_key=args.tls_key, kubeconfig=args.kubeconfig,
                        threads=args.threads)
 
@@ -131,10 +138,12 @@ class Agent:
 
         c = self.config
         self.machine = self.build_machine()
-        bmc_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"kubevbmc:{c.namespace}/{c.vm}"))
-        app = create_app(self.machine, c.username, c.password, system_id=c.vm, bmc_uuid=bmc_uuid)
         if c.ipmi_address:
             threading.Thread(target=self._start_ipmi, name="ipmi-start", daemon=True).start()
+        if not c.redfish:
+            return _HealthEndpoints(_no_redfish, self.ready)
+        bmc_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"kubevbmc:{c.namespace}/{c.vm}"))
+        app = create_app(self.machine, c.username, c.password, system_id=c.vm, bmc_uuid=bmc_uuid)
         app.wsgi_app = _HealthEndpoints(app.wsgi_app, self.ready)
         return app
 
@@ -187,6 +196,17 @@ class _HealthEndpoints:
         return [body]
 
 
+def _no_redfish(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    """Every path but the probes' when Redfish is off (a VirtualMachineBMC with spec.redfish.enabled false): 404
+    with the Base registry's ServiceDisabled, so a Redfish client says why."""
+    from .redfish.errors import RedfishError
+
+    error = RedfishError(404, "ServiceDisabled", "/redfish", detail="spec.redfish.enabled is false for this BMC.")
+    body = json.dumps(error.body()).encode()
+    start_response("404 Not Found", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
@@ -212,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
         http=config.redfish_address or None, https=config.redfish_tls_address or None,
         certfile=config.tls_cert or None, keyfile=config.tls_key or None, threads=config.threads)
     log.info("agent: serving vm=%s/%s ipmi=%s redfish=%s redfish-tls=%s backend=%s", config.namespace, config.vm,
-             config.ipmi_address or "-", config.redfish_address or "-", config.redfish_tls_address or "-",
+             config.ipmi_address or "-", (config.redfish_address or "-") if config.redfish else "off",
+             config.redfish_tls_address or "-",
              config.backend)
     serve(agent.app, server_config, on_worker_exit=agent.shutdown)
     return 0

@@ -96,6 +96,9 @@ MESSAGES: Mapping[str, tuple[str, str, str]] = {
     "ServiceTemporarilyUnavailable": (
         "The service is temporarily unavailable.  Retry in %1 seconds.", "Critical",
         "Wait for the indicated retry duration and retry the operation."),
+    "ServiceDisabled": (
+        "The operation failed because the service at %1 is disabled and cannot accept requests.", "Warning",
+        "Enable the service and resubmit the request if the operation failed."),
     "Created": ("The resource was created successfully.", "OK", "None."),
 }
 
