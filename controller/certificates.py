@@ -26,10 +26,12 @@ class TLSMaterial:
     ca_pem: bytes
 
 
-def service_names(service: str, namespace: str, cluster_ip: str) -> list[str]:
+def service_names(service: str, namespace: str, cluster_ip: str, external: str = "") -> list[str]:
+    """The certificate's names: the Service's DNS names, its ClusterIP and its LoadBalancer address, if any."""
     svc = f"{service}.{namespace}.svc"
     names = [service, f"{service}.{namespace}", svc, f"{svc}.cluster.local"]
-    return [*names, cluster_ip] if cluster_ip and cluster_ip != "None" else names
+    addresses = [a for a in (cluster_ip, external) if a and a != "None"]
+    return [*names, *dict.fromkeys(addresses)]
 
 
 def reusable(cert_pem: bytes, names: list[str], now: datetime.datetime,

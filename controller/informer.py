@@ -104,6 +104,13 @@ class Informer:
         for _, obj in gone:
             self._fire(obj, None)
 
+    def seen_through(self, resource_version: int) -> bool:
+        """Whether the cache reflects every change up to `resource_version`: the watch has delivered it, so what
+        the cache holds for an object it selects (or that it holds nothing) is at least that recent.
+        resourceVersions are compared as integers, as kube-apiserver's (etcd revisions) are."""
+        text = self._rv
+        return text.isdigit() and int(text) >= resource_version
+
     # ---- lifecycle
 
     def start(self) -> None:
@@ -151,7 +158,6 @@ class Informer:
             if not meta.get("continue"):
                 break
             query["continue"] = meta["continue"]
-        self._rv = str(meta.get("resourceVersion") or "")
         seen = set()
         for obj in items:
             seen.add(key_of(obj))
@@ -160,6 +166,7 @@ class Informer:
             stale = [o for k, o in self._items.items() if k not in seen]
         for obj in stale:
             self._store(obj, deleted=True)
+        self._rv = str(meta.get("resourceVersion") or "")  # after the cache has what the list said
         self._synced.set()
 
     def _run(self) -> None:
@@ -193,13 +200,13 @@ class Informer:
                 if obj.get("code") == 410:
                     raise _Expired()
                 raise ApiError(int(obj.get("code") or 500), str(obj.get("reason", "")), str(obj.get("message", "")))
-            rv = (obj.get("metadata") or {}).get("resourceVersion")
-            if rv:
-                self._rv = str(rv)
             if kind in ("ADDED", "MODIFIED"):
                 self._store(obj)
             elif kind == "DELETED":
                 self._store(obj, deleted=True)
+            rv = (obj.get("metadata") or {}).get("resourceVersion")
+            if rv:
+                self._rv = str(rv)  # after the cache has the event: see seen_through
 
     def _fetch_loop(self) -> None:
         while not self._stop.is_set():

@@ -28,7 +28,15 @@ from .informer import Key
 from .kubeapi import APPLY, MERGE_PATCH, ApiError, KubeApi
 from .settings import Settings
 from .spec import BMCSpec
-from .status import IN_PROGRESS, Observed, desired_status, progress_only, status_patch, transitions
+from .status import (
+    IN_PROGRESS,
+    Observed,
+    desired_status,
+    load_balancer_address,
+    progress_only,
+    status_patch,
+    transitions,
+)
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -91,6 +99,10 @@ def _rv(obj: Obj | None) -> int:
     return int(text) if text.isdigit() else -1
 
 
+def _cluster_ip(service: Obj) -> str:
+    return str((service.get("spec") or {}).get("clusterIP") or "")
+
+
 def _controller_uid(obj: Obj | None) -> str:
     for ref in ((obj or {}).get("metadata") or {}).get("ownerReferences") or []:
         if ref.get("controller"):
@@ -144,12 +156,15 @@ class Reconciler:
 
     def _remember(self, kind: str, obj: Obj) -> None:
         """Keep what we wrote until the cache has it. Its watch event may have come before our answer: then the
-        cache has it already (checked under the lock _seen takes, so neither order leaves a copy behind)."""
+        cache has it already (checked under the lock _seen takes, so neither order leaves a copy behind). The
+        watch may even have gone past it, the object deleted since (a child re-created for a VirtualMachineBMC
+        being deleted, which the garbage collector removes at once): then the cache is the truth, and a copy kept
+        here would never be forgotten."""
         meta = obj.get("metadata") or {}
         namespace, name = meta.get("namespace", ""), meta.get("name", "")
         informer = self.caches.bmcs if kind == "VirtualMachineBMC" else self.caches.children[kind]
         with self._lock:
-            if _rv(informer.get(namespace, name)) < _rv(obj):
+            if _rv(informer.get(namespace, name)) < _rv(obj) and not informer.seen_through(_rv(obj)):
                 self._written[(kind, namespace, name)] = obj
 
     # ---- the loop
@@ -189,17 +204,18 @@ class Reconciler:
 
         created: list[str] = []  # one Event names every child this pass created, even if a later write fails
         try:
-            cluster_ip, deployment = self._apply_children(bmc, spec, vm, secret, problem or tls_problem, created)
+            service, deployment = self._apply_children(bmc, spec, vm, secret, problem or tls_problem, created)
         finally:
             if created:
                 self.recorder.event(bmc, "Normal", "Created", "created " + ", ".join(created))
         return self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
-                                                tls_problem=tls_problem, cluster_ip=cluster_ip,
+                                                tls_problem=tls_problem, cluster_ip=_cluster_ip(service),
+                                                external=load_balancer_address(service),
                                                 deployment=deployment))
 
     def _apply_children(self, bmc: Obj, spec: BMCSpec, vm: Obj | None, secret: Obj | None,
-                        problem: tuple[str, str] | None, created: list[str]) -> tuple[str, Obj | None]:
-        """Apply the children; the agent only when its VM and Secrets are usable. Returns (clusterIP, agent)."""
+                        problem: tuple[str, str] | None, created: list[str]) -> tuple[Obj, Obj | None]:
+        """Apply the children; the agent only when its VM and Secrets are usable. Returns (Service, agent)."""
         namespace, vm_name = bmc["metadata"]["namespace"], spec.virtual_machine_ref.name
         tls_ref = spec.redfish.tls.secret_ref.name if spec.redfish.tls.secret_ref else ""
         self._apply(bmc, desired.desired_service_account(bmc, vm_name), created)
@@ -207,17 +223,16 @@ class Reconciler:
         self._apply(bmc, desired.desired_role_binding(bmc, vm_name), created)
         service = self._apply(bmc, desired.desired_service(bmc, vm_name, self.settings.default_service_type),
                               created)
-        cluster_ip = str((service.get("spec") or {}).get("clusterIP") or "")
         if vm is None or problem is not None:
             why = "the VirtualMachine is missing" if vm is None else (problem or ("", ""))[1]
             self._remove_agent(bmc, vm_name, why)
-            return cluster_ip, None
+            return service, None
         tls_secret = None
         if spec.redfish.enabled:
             tls_secret = (self.caches.secrets.get(namespace, tls_ref) if tls_ref
-                          else self._tls_secret(bmc, vm_name, cluster_ip, created))
+                          else self._tls_secret(bmc, vm_name, service, created))
         assert secret is not None
-        return cluster_ip, self._apply(
+        return service, self._apply(
             bmc, desired.desired_deployment(bmc, vm_name, self.settings, secret, tls_secret), created)
 
     # ---- decisions that read the caches
@@ -273,9 +288,10 @@ class Reconciler:
             self.recorder.event(bmc, "Normal", "Updated", f"updated {kind} {meta['name']}: {why} differed")
         return result
 
-    def _tls_secret(self, bmc: Obj, vm: str, cluster_ip: str, created: list[str]) -> Obj:
+    def _tls_secret(self, bmc: Obj, vm: str, service: Obj, created: list[str]) -> Obj:
         namespace = bmc["metadata"]["namespace"]
-        names = certificates.service_names(desired.child_name(vm), namespace, cluster_ip)
+        names = certificates.service_names(desired.child_name(vm), namespace, _cluster_ip(service),
+                                           load_balancer_address(service))
         have = self._cached("Secret", namespace, desired.tls_secret_name(vm))
         now = self.clock()
         if have is not None and certificates.reusable(_decode(have, "tls.crt"), names, now):

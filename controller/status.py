@@ -32,6 +32,7 @@ class Observed:
     conflict_with: str = ""  # the older VirtualMachineBMC that serves this VM
     tls_problem: tuple[str, str] | None = None
     cluster_ip: str = ""
+    external: str = ""  # a LoadBalancer Service's first ingress IP or hostname
     deployment: Obj | None = None
     blocked_by: str = ""  # a child of that name exists and is controlled by someone else
 
@@ -89,20 +90,32 @@ def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]
     elif not observed.cluster_ip:
         ready = Condition(READY, False, "ServicePending", "the Service has no ClusterIP yet")
     else:
-        ready = Condition(READY, True, "Ready", "the BMC answers on " + observed.cluster_ip)
+        ready = Condition(READY, True, "Ready", "the BMC answers on " + observed.cluster_ip
+                          + (f" and {observed.external}" if observed.external else ""))
     return [ready, vm_cond, secret_cond, agent]
 
 
-def endpoints(spec: BMCSpec, cluster_ip: str, vm: str) -> Obj:
-    if not cluster_ip or cluster_ip == "None":
+def load_balancer_address(service: Obj | None) -> str:
+    """A LoadBalancer Service's first ingress IP or hostname ("" for other types, or before one is assigned)."""
+    if not service or (service.get("spec") or {}).get("type") != "LoadBalancer":
+        return ""
+    ingress = (((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or [{}])[0] or {}
+    return str(ingress.get("ip") or ingress.get("hostname") or "")
+
+
+def endpoints(spec: BMCSpec, host: str, vm: str) -> Obj:
+    """Where to reach the BMC at `host` (the LoadBalancer address, else the ClusterIP); an IPv6 address is
+    bracketed, as in URLs."""
+    if not host or host == "None":
         return {}
+    host = f"[{host}]" if ":" in host else host
     out: Obj = {}
     if spec.ipmi.enabled:
-        out["ipmi"] = f"{cluster_ip}:623"
-        out["metal3IPMI"] = f"ipmi://{cluster_ip}:623"
+        out["ipmi"] = f"{host}:623"
+        out["metal3IPMI"] = f"ipmi://{host}:623"
     if spec.redfish.enabled:
-        out["redfish"] = f"https://{cluster_ip}/redfish/v1/Systems/{vm}"
-        out["metal3Redfish"] = f"redfish-virtualmedia+https://{cluster_ip}/redfish/v1/Systems/{vm}"
+        out["redfish"] = f"https://{host}/redfish/v1/Systems/{vm}"
+        out["metal3Redfish"] = f"redfish-virtualmedia+https://{host}/redfish/v1/Systems/{vm}"
     return out
 
 
@@ -122,7 +135,7 @@ def desired_status(bmc: Obj, observed: Observed, now: str) -> Obj:
     out: Obj = {"observedGeneration": generation, "conditions": conditions}
     if observed.cluster_ip and not observed.conflict_with:
         out["clusterIP"] = observed.cluster_ip
-        out["endpoints"] = endpoints(spec, observed.cluster_ip, vm)
+        out["endpoints"] = endpoints(spec, observed.external or observed.cluster_ip, vm)
     return out
 
 

@@ -10,7 +10,7 @@ import urllib.request
 from kubernetes import client
 
 from .agents import PASSWORD, USER
-from .conftest import Sim, wait_for
+from .conftest import Sim, call, wait_for
 from .controllers import ControllerProcess, apply_bmc, get_bmc, ipmitool, is_ready, make_secret
 from .vms import get_vm, make_vm
 
@@ -53,6 +53,36 @@ def test_ipmitool_and_redfish_through_the_service_of_a_ready_bmc(api: client.Api
         x509.SubjectAlternativeName).value
     assert f"vm-virtbmc.{namespace}.svc" in san.get_values_for_type(x509.DNSName)
     assert ip in [str(a) for a in san.get_values_for_type(x509.IPAddress)]
+
+
+def test_a_load_balancer_bmc_is_named_by_its_ingress_address_in_the_status_and_the_certificate(
+        api: client.ApiClient, namespace: str, controller: ControllerProcess) -> None:
+    make_vm(api, namespace)
+    make_secret(api, namespace)
+    apply_bmc(api, namespace, service={"type": "LoadBalancer"})
+    wait_for(lambda: is_ready(api, namespace), timeout=40, what="the BMC to be Ready")
+    service = call(api, "GET", f"/api/v1/namespaces/{namespace}/services/vm-virtbmc").body
+    external = service["status"]["loadBalancer"]["ingress"][0]["ip"]
+    status = get_bmc(api, namespace)["status"]
+    assert status["clusterIP"] == service["spec"]["clusterIP"] != external
+    assert status["endpoints"] == {
+        "ipmi": f"{external}:623", "metal3IPMI": f"ipmi://{external}:623",
+        "redfish": f"https://{external}/redfish/v1/Systems/vm",
+        "metal3Redfish": f"redfish-virtualmedia+https://{external}/redfish/v1/Systems/vm"}
+
+    result = ipmitool(external, "power", "status")
+    assert result.returncode == 0 and "Chassis Power is off" in result.stdout, result.stderr
+    # The certificate names the ingress address too (an agent serving an older one is replaced in the rollout).
+    from cryptography import x509
+
+    def names() -> list[str]:
+        pem = ssl.get_server_certificate((external, 443))
+        san = x509.load_pem_x509_certificate(pem.encode()).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value
+        return [str(a) for a in san.get_values_for_type(x509.IPAddress)]
+
+    assert sorted(wait_for(lambda: external in (found := names()) and found, timeout=20,
+                           what="a certificate naming the ingress IP")) == sorted([status["clusterIP"], external])
 
 
 KUBEVIRTBMC_SAMPLE = """\

@@ -13,9 +13,18 @@ import pytest
 from controller import certificates, desired
 from controller.reconciler import difference, stale_owned_keys
 from controller.settings import Settings, add_arguments, settings_from
-from controller.status import Observed, agent_readiness, desired_status, progress_only, status_patch
+from controller.status import (
+    Observed,
+    agent_readiness,
+    desired_status,
+    load_balancer_address,
+    progress_only,
+    status_patch,
+)
 from controller.workqueue import WorkQueue
 from vbmc import agent
+
+from .conftest import wait_for
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 
@@ -225,6 +234,32 @@ def test_unchanged_status_needs_no_write_and_keeps_transition_times() -> None:
     assert status_patch({**first, "bootOverride": {"target": "Pxe"}}, again) is None
 
 
+@pytest.mark.parametrize(("service", "address"), [
+    ({"spec": {"type": "LoadBalancer"}, "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.50"}]}}},
+     "192.0.2.50"),
+    ({"spec": {"type": "LoadBalancer"}, "status": {"loadBalancer": {"ingress": [{"hostname": "bmc.example"}]}}},
+     "bmc.example"),
+    ({"spec": {"type": "LoadBalancer"}, "status": {"loadBalancer": {}}}, ""),  # not assigned yet
+    ({"spec": {"type": "ClusterIP"}, "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.50"}]}}}, ""),
+    (None, ""),
+])
+def test_the_load_balancer_address_is_the_first_ingress(service: Any, address: str) -> None:
+    assert load_balancer_address(service) == address
+
+
+@pytest.mark.parametrize(("observed", "host"), [
+    (Observed(True, None, cluster_ip="10.0.0.1"), "10.0.0.1"),
+    (Observed(True, None, cluster_ip="10.0.0.1", external="192.0.2.50"), "192.0.2.50"),
+    (Observed(True, None, cluster_ip="fd00::1"), "[fd00::1]"),
+])
+def test_the_endpoints_name_the_load_balancer_else_the_cluster_ip(observed: Observed, host: str) -> None:
+    status = desired_status(bmc(), observed, "2026-01-01T00:00:00Z")
+    assert status["clusterIP"] == observed.cluster_ip
+    assert status["endpoints"] == {"ipmi": f"{host}:623", "metal3IPMI": f"ipmi://{host}:623",
+                                   "redfish": f"https://{host}/redfish/v1/Systems/vm",
+                                   "metal3Redfish": f"redfish-virtualmedia+https://{host}/redfish/v1/Systems/vm"}
+
+
 def test_status_patch_never_touches_boot_override_and_nulls_what_is_gone() -> None:
     current = {"clusterIP": "1.2.3.4", "endpoints": {"ipmi": "x", "redfish": "y"}, "bootOverride": {"x": 1}}
     want = {"observedGeneration": 1, "conditions": [], "clusterIP": "1.2.3.4", "endpoints": {"ipmi": "x"}}
@@ -257,6 +292,9 @@ def test_certificates_are_reused_until_names_change_or_expiry_nears() -> None:
     assert certificates.reusable(tls.cert_pem, names, NOW)
     assert not certificates.reusable(tls.cert_pem, certificates.service_names("vm-virtbmc", "ns", "10.0.0.2"), NOW)
     assert not certificates.reusable(tls.cert_pem, names, NOW + datetime.timedelta(days=340))
+    with_lb = certificates.service_names("vm-virtbmc", "ns", "10.0.0.1", "192.0.2.50")
+    assert with_lb == [*names, "192.0.2.50"]
+    assert not certificates.reusable(tls.cert_pem, with_lb, NOW)  # a new LoadBalancer address: a new certificate
     assert not certificates.reusable(b"garbage", names, NOW)
 
 
@@ -378,3 +416,32 @@ def test_a_tracked_fetch_reports_its_answer_whether_or_not_the_object_exists(api
         assert not secrets.pending(namespace, "absent") and not secrets.pending(namespace, "present")
     finally:
         secrets.stop()
+
+
+def test_a_write_answered_after_the_watch_saw_its_object_deleted_is_not_kept(api: Any, namespace: str) -> None:
+    """A child re-created for a VirtualMachineBMC being deleted is removed by the garbage collector at once; the
+    watch may report both before the apply's answer arrives. The reconciler must then believe the cache."""
+    from controller.caches import Caches
+    from controller.kubeapi import KubeApi
+    from controller.reconciler import Reconciler
+
+    kube = KubeApi(api)
+    caches = Caches(kube, namespace, lambda _key: None)
+    services = caches.children["Service"]
+    reconciler = Reconciler(kube, caches, Settings(), recorder=None)  # type: ignore[arg-type]
+    services.start()
+    try:
+        assert services.wait_synced(10)
+        path = f"/api/v1/namespaces/{namespace}/services"
+        body = {"metadata": {"name": "vm-virtbmc", "labels": {desired.MANAGED_BY: desired.MANAGER}},
+                "spec": {"ports": [{"port": 623, "protocol": "UDP"}]}}
+        created = kube.request("POST", path, body)
+        kube.request("DELETE", f"{path}/vm-virtbmc")
+        after = int(created["metadata"]["resourceVersion"]) + 1  # the deletion's, or a later one
+        wait_for(lambda: services.get(namespace, "vm-virtbmc") is None and services.seen_through(after),
+                 what="the watch to report the deletion")
+
+        reconciler._remember("Service", created)  # the apply's answer, arriving late
+        assert reconciler._cached("Service", namespace, "vm-virtbmc") is None
+    finally:
+        services.stop()
