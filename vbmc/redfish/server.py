@@ -128,6 +128,8 @@ class RedfishServer(BaseApplication):
             "keepalive": c.keepalive, "graceful_timeout": c.graceful_timeout, "timeout": 30,
             "loglevel": c.log_level, "accesslog": None, "preload_app": False,
             "post_worker_init": self._post_worker_init, "worker_exit": self._worker_exit,
+            # No control socket: nothing administers the agent through it, and it would cost the master asyncio.
+            "control_socket_disable": True,
             **c.extra,
         }
         for key, value in settings.items():
