@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from bench.controller import start_controller  # noqa: E402
+from bench.controller import create_vm, start_controller  # noqa: E402
 from tests.conftest import BMC_CRD, start_sim, wait_for  # noqa: E402
 from vbmc.kube import KubeClient, load_credentials  # noqa: E402
 
@@ -39,15 +39,6 @@ KUBECTL = Path(sys.executable).parent / "kubectl"
 TARGET = 3.0
 # RMCP, class ASF: a presence ping (ASF 2.0 section 3.2.4.1), answered with a pong by any IPMI-over-LAN BMC.
 PING = bytes([0x06, 0x00, 0xFF, 0x06, 0x00, 0x00, 0x11, 0xBE, 0x80, 0x01, 0x00, 0x00])
-
-
-def create_vm(api: KubeClient, name: str) -> None:
-    api.request("POST", f"/apis/kubevirt.io/v1/namespaces/{NS}/virtualmachines", {
-        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": name},
-        "spec": {"runStrategy": "Halted", "template": {"spec": {"domain": {"devices": {
-            "disks": [{"name": "root", "disk": {}}, {"name": "cdrom", "cdrom": {}}]}}}}}})
-    api.request("POST", f"/api/v1/namespaces/{NS}/secrets", {
-        "metadata": {"name": f"{name}-auth"}, "stringData": {"username": "admin", "password": "password"}})
 
 
 def ipmi_endpoint(api: KubeClient, name: str) -> str:
@@ -122,7 +113,7 @@ def main() -> int:
         wait_for(lambda: api.request("GET", "/apis/bmc.kubevirt.io/v1beta1"), what="the CRD")
         names = [f"vm-{i}" for i in range(args.runs)]
         for name in names:
-            create_vm(api, name)
+            create_vm(api, name, NS)
         controller, _ = start_controller(sim, workdir)
         runs = [one_run(api, workdir, sim.kubeconfig, name, args.timeout) for name in names]
     finally:

@@ -38,15 +38,19 @@ from vbmc.kube import KubeClient, Unreachable, load_credentials  # noqa: E402
 NS = "bench"
 
 
+def create_vm(api: KubeClient, name: str, namespace: str = NS) -> None:
+    """A halted VM with a cdrom, and its Secret `<name>-auth` (admin/password)."""
+    api.request("POST", f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines", {
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": name},
+        "spec": {"runStrategy": "Halted", "template": {"spec": {"domain": {"devices": {
+            "disks": [{"name": "root", "disk": {}}, {"name": "cdrom", "cdrom": {}}]}}}}}})
+    api.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
+        "metadata": {"name": f"{name}-auth"}, "stringData": {"username": "admin", "password": "password"}})
+
+
 def create_many(api: KubeClient, count: int) -> None:
     for i in range(count):
-        name = f"vm-{i:04d}"
-        api.request("POST", f"/apis/kubevirt.io/v1/namespaces/{NS}/virtualmachines", {
-            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": name},
-            "spec": {"runStrategy": "Halted", "template": {"spec": {"domain": {"devices": {
-                "disks": [{"name": "root", "disk": {}}, {"name": "cdrom", "cdrom": {}}]}}}}}})
-        api.request("POST", f"/api/v1/namespaces/{NS}/secrets", {
-            "metadata": {"name": f"{name}-auth"}, "stringData": {"username": "admin", "password": "password"}})
+        create_vm(api, f"vm-{i:04d}")
 
 
 def create_bmcs(api: KubeClient, count: int, clients: int) -> None:

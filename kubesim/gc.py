@@ -8,11 +8,13 @@ owner reference from dependents first. A namespace being deleted empties itself,
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Hashable, Iterable
 from typing import Any
 
 from . import errors
 from .loop import ControlLoop
+from .objects import drop_finalizer
 from .store import DELETED, Event, Store
 
 Obj = dict[str, Any]
@@ -134,14 +136,8 @@ class GarbageCollector(ControlLoop):
             self.store.mutate(self.store.type(dep[0]), dep[1], dep[2], strip, manager="garbage-collector")
 
     def _remove_finalizer(self, rtype: Any, namespace: str, name: str, finalizer: str) -> None:
-        def remove(obj: Obj) -> bool:
-            fins = obj["metadata"].get("finalizers") or []
-            if finalizer not in fins:
-                return False
-            obj["metadata"]["finalizers"] = [f for f in fins if f != finalizer]
-            return True
-
-        self.store.mutate(rtype, namespace, name, remove, manager="garbage-collector")
+        self.store.mutate(rtype, namespace, name, functools.partial(drop_finalizer, finalizer=finalizer),
+                          manager="garbage-collector")
 
 
 class NamespaceController(ControlLoop):

@@ -26,7 +26,7 @@ from typing import Any
 
 from . import errors
 from .loop import ControlLoop
-from .objects import clone, now, set_condition
+from .objects import clone, drop_finalizer, now, set_condition
 from .resources import ResourceType
 from .server import SubresourceAPI
 from .store import DELETED, JSON_PATCH, Event, Store
@@ -75,12 +75,8 @@ PAUSED_READINESS_GATE = "kubevirt.io/virtual-machine-unpaused"
 
 
 def _drop_our_finalizer(obj: Obj) -> bool:
-    """A store.mutate change: remove virt-controller's finalizer (False, no write, when it is not there)."""
-    fins = obj["metadata"].get("finalizers") or []
-    if VM_CONTROLLER_FINALIZER not in fins:
-        return False
-    obj["metadata"]["finalizers"] = [f for f in fins if f != VM_CONTROLLER_FINALIZER]
-    return True
+    """A store.mutate change: remove virt-controller's finalizer."""
+    return drop_finalizer(obj, VM_CONTROLLER_FINALIZER)
 
 
 def _meta(obj: Obj) -> Obj:

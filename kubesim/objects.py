@@ -93,3 +93,12 @@ def set_condition(conditions: list[Obj], cond_type: str, status: str, reason: st
         cond["message"] = message
     out.append(cond)
     return out
+
+
+def drop_finalizer(obj: Obj, finalizer: str) -> bool:
+    """A store.mutate change: remove `finalizer` (False, no write, when it is not there)."""
+    fins = obj["metadata"].get("finalizers") or []
+    if finalizer not in fins:
+        return False
+    obj["metadata"]["finalizers"] = [f for f in fins if f != finalizer]
+    return True

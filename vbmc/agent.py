@@ -8,6 +8,7 @@ Flask nor the backend. SIGTERM stops both servers within two seconds.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -196,13 +197,18 @@ class _HealthEndpoints:
         return [body]
 
 
-def _no_redfish(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-    """Every path but the probes' when Redfish is off (a VirtualMachineBMC with spec.redfish.enabled false): 404
-    with the Base registry's ServiceDisabled, so a Redfish client says why."""
+@functools.cache
+def _service_disabled() -> bytes:
     from .redfish.errors import RedfishError
 
     error = RedfishError(404, "ServiceDisabled", "/redfish", detail="spec.redfish.enabled is false for this BMC.")
-    body = json.dumps(error.body()).encode()
+    return json.dumps(error.body()).encode()
+
+
+def _no_redfish(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    """Every path but the probes' when Redfish is off (a VirtualMachineBMC with spec.redfish.enabled false): 404
+    with the Base registry's ServiceDisabled, so a Redfish client says why."""
+    body = _service_disabled()
     start_response("404 Not Found", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
     return [body]
 
