@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 
 FIELD_MANAGER = "kubevbmc-controller"
@@ -11,6 +12,7 @@ SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")  # a DNS subdomain
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agent-image-pull-policy", default=env("KUBEVBMC_AGENT_IMAGE_PULL_POLICY", ""),
                         choices=("", *PULL_POLICIES), help="imagePullPolicy of the agent pods (default: unset)")
     parser.add_argument("--agent-image-pull-secrets", default=env("KUBEVBMC_AGENT_IMAGE_PULL_SECRETS", ""),
-                        metavar="NAME[,NAME...]",
+                        type=secret_names, metavar="NAME[,NAME...]",
                         help="Secrets in each VirtualMachineBMC's namespace to pull the agent image with (default: "
                              "none)")
     parser.add_argument("--agent-log-level", default=env("KUBEVBMC_AGENT_LOG_LEVEL", "info"), choices=LOG_LEVELS,
@@ -66,10 +68,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text lines, or one JSON object per line for log collectors (default %(default)s)")
 
 
+def secret_names(text: str) -> tuple[str, ...]:
+    """Comma-separated Secret names (DNS subdomains), without repeats; a bad one is an argparse error, so a pod
+    spec the API server would refuse is never built."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    bad = [n for n in names if len(n) > 253 or not SECRET_NAME.fullmatch(n)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"not a Secret name (lowercase letters, digits, '-' and '.'): {bad[0]!r}")
+    return names
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
-    pull_secrets = str(args.agent_image_pull_secrets).split(",")
     return Settings(agent_image=args.agent_image, agent_image_pull_policy=args.agent_image_pull_policy,
-                    agent_image_pull_secrets=tuple(dict.fromkeys(s.strip() for s in pull_secrets if s.strip())),
+                    agent_image_pull_secrets=args.agent_image_pull_secrets,
                     agent_log_level=args.agent_log_level,
                     default_service_type=args.default_service_type, namespace=args.namespace,
                     workers=max(1, args.workers), resync_seconds=args.resync, metrics_address=args.metrics_address,

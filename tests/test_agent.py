@@ -62,6 +62,19 @@ def test_agent_without_redfish_answers_ipmi_and_its_probes_only() -> None:
         agent.stop()
 
 
+def test_agent_refuses_https_redfish_with_redfish_off(tmp_path: Path) -> None:
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_text("x")
+    key.write_text("x")
+    result = subprocess.run([sys.executable, "-m", "vbmc", "agent", "--backend", "memory", "--vm", "x",
+                             "--redfish", "false", "--redfish-tls-address", "127.0.0.1:0",
+                             "--tls-cert", str(cert), "--tls-key", str(key)],
+                            capture_output=True, text=True, timeout=30, cwd=REPO,
+                            env={**os.environ, "VBMC_USERNAME": USER, "VBMC_PASSWORD": PASSWORD})
+    assert result.returncode == 2
+    assert "--redfish-tls-address serves Redfish: it cannot go with --redfish false" in result.stderr
+
+
 def test_agent_stops_within_two_seconds_on_sigterm(memory_agent: AgentProcess) -> None:
     began = time.monotonic()
     assert memory_agent.stop() == 0

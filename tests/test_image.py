@@ -427,6 +427,10 @@ def test_an_unknown_subcommand_fails_with_a_usage_message() -> None:
     ("controller", "KUBEVBMC_LOG_FORMAT", "xml", "argument --log-format: invalid choice: 'xml'"),
     ("controller", "KUBEVBMC_WORKERS", "many", "argument --workers: invalid int value: 'many'"),
     ("agent", "VBMC_BACKEND", "libvirt", "argument --backend: invalid choice: 'libvirt'"),
+    ("agent", "VBMC_REDFISH", "maybe", "argument --redfish: invalid choice: 'maybe'"),
+    ("controller", "KUBEVBMC_AGENT_IMAGE_PULL_SECRETS", "registry,My_Registry",
+     "argument --agent-image-pull-secrets: not a Secret name (lowercase letters, digits, '-' and '.'): "
+     "'My_Registry'"),
 ])
 def test_a_bad_value_from_the_environment_is_refused_like_a_bad_flag(command: str, variable: str, value: str,
                                                                       message: str) -> None:

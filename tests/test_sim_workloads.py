@@ -258,6 +258,14 @@ def test_kubesim_threads_share_one_cpu_and_pod_processes_get_them_all(sim: Sim, 
     assert masks == {str(everything[-1])}  # every kubesim thread, the API server's and the controllers'
 
 
+def test_kubesim_refuses_a_cpu_that_is_not_a_number(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "vbmc", "sim", "--listen", "127.0.0.1:0", "--kubeconfig",
+                           str(tmp_path / "kubeconfig"), "--cpu", "first"],
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 2
+    assert "--cpu: expected auto, all or a CPU number, not 'first'" in done.stderr
+
+
 def test_kubesim_refuses_a_cpu_it_may_not_use(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "vbmc", "sim", "--listen", "127.0.0.1:0", "--kubeconfig",
                            str(tmp_path / "kubeconfig"), "--cpu", str(max(os.sched_getaffinity(0)) + 1)],
