@@ -8,7 +8,10 @@ Writes are counted by kubesim's global resourceVersion, which moves once per wri
 write in the cluster. Leader election renews its Lease every 2 s by design; the steady-state window is measured
 with leader election off, and the controller's own counter (kubevbmc_controller_api_writes_total) is shown too.
 kubesim keeps its threads on one CPU (its --cpu, here --sim-cpu): `--sim-cpu all` shows the difference.
-Usage: python bench/controller.py [--bmcs N] [--steady SECONDS] [--sim-cpu auto|all|N]
+Day 2: the controller is then restarted over the converged cluster, and kubesim then closes every watch after a
+compaction (SIGUSR1: resuming gets 410 Gone, every informer lists again); the writes and Events in the window
+after each are printed next to the steady figure (the target: none).
+Usage: python bench/controller.py [--bmcs N] [--steady SECONDS] [--after SECONDS] [--sim-cpu auto|all|N]
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import concurrent.futures
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +140,35 @@ def controller_writes(metrics_url: str) -> float:
                                             re.MULTILINE))
 
 
+def event_count(api: KubeClient) -> tuple[int, int]:
+    """(Events, their counts summed) in the benchmark's namespace."""
+    items = api.request("GET", f"/api/v1/namespaces/{NS}/events").get("items") or []
+    return len(items), sum(int(e.get("count") or 1) for e in items)
+
+
+def stop(controller: subprocess.Popen[Any]) -> float:
+    """SIGTERM; the seconds it took to exit (nan: killed after 30 s, the default grace period)."""
+    controller.terminate()
+    began = time.monotonic()
+    try:
+        controller.wait(timeout=30)
+        return time.monotonic() - began
+    except subprocess.TimeoutExpired:
+        controller.kill()
+        controller.wait()
+        return float("nan")
+
+
+def quiet_window(api: KubeClient, act: Callable[[], str], seconds: float,
+                 skip_revisions: int = 0) -> tuple[int, float, tuple[int, int]]:
+    """`act` (which returns the controller's metrics URL), then the writes cluster-wide (less `skip_revisions`
+    that are not writes), the controller's writes and the Events in the `seconds` that follow."""
+    rv0 = cluster_rv(api) + skip_revisions
+    metrics_url = act()
+    time.sleep(seconds)
+    return cluster_rv(api) - rv0, controller_writes(metrics_url), event_count(api)
+
+
 def start_controller(sim: Sim, workdir: Path) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "vbmc", "controller", "--kubeconfig", sim.kubeconfig, "--agent-image", "kubevbmc:dev",
@@ -152,6 +186,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bmcs", type=int, default=1000, help="VirtualMachineBMCs (default %(default)s)")
     parser.add_argument("--steady", type=float, default=60, help="seconds of steady state (default %(default)s)")
+    parser.add_argument("--after", type=float, default=60,
+                        help="seconds watched after a controller restart and after a forced re-list (default "
+                             "%(default)s)")
     parser.add_argument("--timeout", type=float, default=180, help="give up waiting for Ready after this")
     parser.add_argument("--clients", type=int, default=4, help="concurrent creators (default %(default)s)")
     parser.add_argument("--sim-cpu", default="auto", metavar="auto|all|N",
@@ -188,16 +225,24 @@ def main() -> int:
         time.sleep(args.steady)
         rv1, writes1 = cluster_rv(api), controller_writes(metrics_url)
         rss, pss = memory(controller.pid)
+        events0 = event_count(api)
+        stopped = stop(controller)
+        # Day 2: a new controller over the converged cluster, then an API server restart after a compaction
+        # (kubesim's SIGUSR1: every watch ends, resuming gets 410 Gone, every informer lists again).
+        def restart() -> str:
+            nonlocal controller, metrics_url
+            controller, metrics_url = start_controller(sim, workdir)
+            return metrics_url
+
+        def relist() -> str:
+            os.kill(sim.process.pid, signal.SIGUSR1)
+            return metrics_url
+
+        after_restart = quiet_window(api, restart, args.after)
+        after_relist = quiet_window(api, relist, args.after, skip_revisions=1)
     finally:
-        stopped = float("nan")
-        if controller is not None:
-            controller.terminate()
-            began = time.monotonic()
-            try:
-                controller.wait(timeout=30)
-                stopped = time.monotonic() - began
-            except subprocess.TimeoutExpired:
-                controller.kill()
+        if controller is not None and controller.poll() is None:
+            stop(controller)
         sim.stop()
 
     print(f"{'':44}{'measured':>12}{'target':>12}")
@@ -212,10 +257,17 @@ def main() -> int:
         print(f"{f'  CPU seconds used by {who}':44}{seconds:>12.1f}")
     print(f"{f'API writes in {args.steady:.0f} s of steady state, cluster-wide':44}{rv1 - rv0:>12}{'0':>12}")
     print(f"{'  of which by the controller (its counter)':44}{writes1 - writes0:>12.0f}{'0':>12}")
+    for what, (rv_writes, own_writes, events) in (("a controller restart", after_restart),
+                                                    ("a forced re-list (410)", after_relist)):
+        print(f"{f'API writes in {args.after:.0f} s after {what}':44}{rv_writes:>12}{'0':>12}")
+        print(f"{'  of which by the controller (its counter)':44}{own_writes:>12.0f}{'0':>12}")
+        print(f"{'  new Events (and repeats counted)':44}{events[0] - events0[0]:>12}{'0':>12}   "
+              f"(+{events[1] - events0[1]} counted)")
     print(f"{'controller RSS (MB)':44}{rss:>12.1f}{'< 150':>12}")
     print(f"{'controller PSS (MB)':44}{pss:>12.1f}")
     print(f"{'controller stopped after SIGTERM (s)':44}{stopped:>12.1f}{'< 30':>12}   (the default grace period)")
-    met = ready == args.bmcs and all_ready <= 30 and rv1 == rv0 and rss < 150
+    quiet = all(window[0] == 0 and window[2] == events0 for window in (after_restart, after_relist))
+    met = ready == args.bmcs and all_ready <= 30 and rv1 == rv0 and rss < 150 and quiet
     print(f"targets: {'met' if met else 'NOT met'}")
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 from typing import Any
 
 from .certificates import TLSMaterial
@@ -32,22 +33,53 @@ RUN_DIR = "/var/run/kubevbmc"
 CREDENTIAL_KEYS = ("username", "password")
 
 
+MAX_LABEL = 63  # a DNS label, and a label value
+SUFFIX = "-virtbmc"
+_DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # a Service's name (it becomes a DNS name)
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def child_name(vm: str) -> str:
-    return f"{vm}-virtbmc"
+    """The name of every child: `<vm>-virtbmc` (KubeVirtBMC's names, so in-cluster DNS names carry over) whenever
+    that is a DNS-1035 label, as a Service's name must be. A VM's name may be a 253-character DNS subdomain, with
+    dots, or start with a digit: then the name is made into a label (dots become dashes, a leading `vm-` where
+    it would start with a digit), cut to fit 63 characters, and a short hash of the VM's whole name keeps two
+    long names that share a prefix apart (as Kubernetes controllers name their children)."""
+    simple = vm + SUFFIX
+    if len(simple) <= MAX_LABEL and _DNS_1035_LABEL.fullmatch(simple):
+        return simple
+    tail = f"-{_short_hash(vm)}{SUFFIX}"
+    stem = re.sub(r"[^a-z0-9-]+", "-", vm.lower()).strip("-")
+    if not stem[:1].isalpha():
+        stem = "vm-" + stem
+    return stem[:MAX_LABEL - len(tail)].rstrip("-") + tail
 
 
 def tls_secret_name(vm: str) -> str:
-    return f"{vm}-virtbmc-tls"
+    return child_name(vm) + "-tls"
+
+
+def label_value(name: str) -> str:
+    """`name` as a label value (at most 63 characters): itself when it fits, else cut with a short hash of the
+    whole of it, so that long VirtualMachine and VirtualMachineBMC names still select and label their objects."""
+    if len(name) <= MAX_LABEL and _LABEL_VALUE.fullmatch(name):
+        return name
+    tail = "-" + _short_hash(name)
+    return re.sub(r"[^-A-Za-z0-9_.]+", "-", name)[:MAX_LABEL - len(tail)].rstrip("-_.") + tail
 
 
 def selector(vm: str) -> dict[str, str]:
     # From the VM, not the owner: the Deployment's selector is immutable, and the children keep their names if
     # another VirtualMachineBMC takes the VM over.
-    return {NAME_LABEL: AGENT, VM_LABEL: vm}
+    return {NAME_LABEL: AGENT, VM_LABEL: label_value(vm)}
 
 
 def labels(bmc: Obj, vm: str) -> dict[str, str]:
-    return {MANAGED_BY: MANAGER, OWNER_LABEL: bmc["metadata"]["name"], **selector(vm)}
+    return {MANAGED_BY: MANAGER, OWNER_LABEL: label_value(bmc["metadata"]["name"]), **selector(vm)}
 
 
 def owner_reference(bmc: Obj) -> Obj:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import queue
@@ -9,7 +10,7 @@ import threading
 import uuid
 from typing import Any
 
-from .kubeapi import ApiError, KubeApi
+from .kubeapi import MERGE_PATCH, ApiError, KubeApi
 from .spec import API_VERSION, KIND
 
 log = logging.getLogger(__name__)
@@ -20,11 +21,18 @@ class EventRecorder:
     """Records Events off the reconcile path, as client-go's broadcaster does: a reconcile never waits for one.
 
     A bounded buffer (client-go keeps 1,000) absorbs bursts; when it is full an Event is dropped with a warning.
+    An Event that repeats one already recorded (same object, type, reason and message) is not posted again: the
+    first one's `count` and `lastTimestamp` are patched, as client-go's event logger does (it remembers the last
+    4,096 it recorded), so `kubectl describe` shows "(x3 over 5m)" instead of three rows.
     """
+
+    REMEMBERED = 4096
 
     def __init__(self, api: KubeApi, buffer: int = 1000) -> None:
         self.api = api
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=buffer)
+        # (object uid, type, reason, message) -> (the Event's name, its count), oldest first; the sending thread's.
+        self._recorded: collections.OrderedDict[tuple[str, ...], tuple[str, int]] = collections.OrderedDict()
         self._thread = threading.Thread(target=self._send_all, name="events", daemon=True)
         self._thread.start()
 
@@ -40,10 +48,33 @@ class EventRecorder:
         while (body := self._queue.get()) is not None:
             meta = body["involvedObject"]
             try:
-                self.api.request("POST", f"/api/v1/namespaces/{body['metadata']['namespace']}/events", body,
-                                 timeout=5)
+                self._send(body)
             except ApiError as exc:  # an Event is best effort
                 log.warning("event %s/%s %s not recorded: %s", meta["namespace"], meta["name"], body["reason"], exc)
+
+    def _send(self, body: dict[str, Any]) -> None:
+        involved, namespace = body["involvedObject"], body["metadata"]["namespace"]
+        key = (namespace, involved["name"], involved["uid"], body["type"], body["reason"], body["message"])
+        path = f"/api/v1/namespaces/{namespace}/events"
+        earlier = self._recorded.pop(key, None)
+        if earlier is not None:
+            name, count = earlier
+            try:
+                self.api.request("PATCH", f"{path}/{name}", {"count": count + 1,
+                                                              "lastTimestamp": body["lastTimestamp"]},
+                                 content_type=MERGE_PATCH, timeout=5)
+                self._remember(key, name, count + 1)
+                return
+            except ApiError as exc:
+                if exc.status != 404:  # gone (Events expire after an hour): post it anew
+                    raise
+        self.api.request("POST", path, body, timeout=5)
+        self._remember(key, body["metadata"]["name"], 1)
+
+    def _remember(self, key: tuple[str, ...], name: str, count: int) -> None:
+        self._recorded[key] = (name, count)
+        while len(self._recorded) > self.REMEMBERED:
+            self._recorded.popitem(last=False)
 
     def event(self, bmc: dict[str, Any], type_: str, reason: str, message: str) -> None:
         meta = bmc["metadata"]

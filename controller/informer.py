@@ -36,6 +36,21 @@ class Kind:
         return f"{base}/namespaces/{namespace}/{self.plural}" if namespace else f"{base}/{self.plural}"
 
 
+def typed_items(page: Obj) -> list[Obj]:
+    """A list's items with their apiVersion and kind. kube-apiserver leaves both out of the items of a built-in
+    kind's list (only the list carries them: the items are converted without their TypeMeta), while watch events,
+    GETs and custom resources' lists have them; a cache must not tell the two apart, or everything it compares
+    with what the controller applies would differ after every list."""
+    api_version, list_kind = page.get("apiVersion"), str(page.get("kind") or "")
+    kind = list_kind[:-4] if list_kind.endswith("List") else ""
+    items = page.get("items") or []
+    for item in items:
+        if isinstance(item, dict) and kind:
+            item["apiVersion"] = item.get("apiVersion") or api_version
+            item["kind"] = item.get("kind") or kind
+    return items
+
+
 def key_of(obj: Obj) -> Key:
     meta = obj.get("metadata") or {}
     return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
@@ -153,7 +168,7 @@ class Informer:
         query = {**self._query(), "limit": "500"}
         while True:
             page = self.api.request("GET", self.kind.path(self.namespace), query=query, timeout=60)
-            items.extend(page.get("items") or [])
+            items.extend(typed_items(page))
             meta = page.get("metadata") or {}
             if not meta.get("continue"):
                 break
@@ -180,6 +195,8 @@ class Informer:
                 self._watch_once()
                 backoff = 0.2
             except _Expired:
+                log.info("informer %s: resourceVersion %s is too old (410 Gone); listing again", self.kind.plural,
+                         self._rv)
                 need_list = True
             except (ApiError, ValueError) as exc:
                 log.warning("informer %s: %s; retrying in %.1fs", self.kind.plural, exc, backoff)
@@ -222,7 +239,7 @@ class Informer:
                     log.warning("informer %s: fetching %s/%s: %s", self.kind.plural, namespace, name, exc)
                     self._stop.wait(0.5)
                     continue
-                items = page.get("items") or []
+                items = typed_items(page)
                 with self._lock:
                     cached = (namespace, name) in self._items
                     self._wanted.discard((namespace, name))

@@ -47,13 +47,29 @@ class Result:
     requeue_after: float = 0.0
 
 
+# Answers that say the request itself is wrong (not a passing state): retrying the same object cannot help.
+_REFUSALS = frozenset({400, 403, 404, 405, 413, 415, 422})
+
+
+class ChildRejected(Exception):
+    """The API server refused a child: the BMC's status says which and why, then the reconcile is retried with
+    back-off (a webhook, quota or RBAC may change its mind; a spec change reconciles at once)."""
+
+    def __init__(self, kind: str, name: str, error: ApiError) -> None:
+        super().__init__(f"the API server refused {kind} {name}: {error.status} {error.reason}: {error.message}")
+        self.error = error
+
+
 def utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
 def difference(want: Any, have: Any, path: str = "") -> str | None:
     """The first path where `have` lacks what `want` sets (None: `have` satisfies `want`). Fields the server or
-    others added are ignored: only what we set is compared."""
+    others added are ignored: only what we set is compared. An empty map or list is satisfied by an absent one:
+    kube-apiserver does not store them (Go's omitempty), so `{}` never comes back."""
+    if want in ({}, []) and have is None:
+        return None
     if isinstance(want, dict):
         if not isinstance(have, dict):
             return path or "."
@@ -205,6 +221,10 @@ class Reconciler:
         created: list[str] = []  # one Event names every child this pass created, even if a later write fails
         try:
             service, deployment = self._apply_children(bmc, spec, vm, secret, problem or tls_problem, created)
+        except ChildRejected as exc:
+            self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
+                                             tls_problem=tls_problem, rejected=str(exc)))
+            raise
         finally:
             if created:
                 self.recorder.event(bmc, "Normal", "Created", "created " + ", ".join(created))
@@ -276,8 +296,13 @@ class Reconciler:
             assert have is not None
             return have
         path = CHILD_KINDS[kind].path(meta["namespace"]) + "/" + meta["name"]
-        result = self.api.request("PATCH", path, want, content_type=APPLY,
-                                  query={"fieldManager": self.settings.field_manager, "force": "true"})
+        try:
+            result = self.api.request("PATCH", path, want, content_type=APPLY,
+                                      query={"fieldManager": self.settings.field_manager, "force": "true"})
+        except ApiError as exc:
+            if exc.status in _REFUSALS:
+                raise ChildRejected(kind, meta["name"], exc) from exc
+            raise
         self._remember(kind, result)
         if why == "created":
             created.append(f"{kind} {meta['name']}")

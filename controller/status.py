@@ -35,6 +35,7 @@ class Observed:
     external: str = ""  # a LoadBalancer Service's first ingress IP or hostname
     deployment: Obj | None = None
     blocked_by: str = ""  # a child of that name exists and is controlled by someone else
+    rejected: str = ""  # the API server refused a child: which, and the API's reason and message
 
 
 # Reasons for Ready=False while the agent rolls out normally (no Event: not a problem).
@@ -74,14 +75,18 @@ def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]
         agent = Condition(AGENT_READY, False, "Conflict", message)
         ready = Condition(READY, False, "Conflict", message)
         return [ready, vm_cond, secret_cond, agent]
-    if observed.blocked_by:
+    if observed.rejected:
+        agent = Condition(AGENT_READY, False, "ChildRejected", observed.rejected)
+    elif observed.blocked_by:
         agent = Condition(AGENT_READY, False, "ChildConflict", observed.blocked_by)
     elif not observed.vm_found or problem:
         agent = Condition(AGENT_READY, False, "AgentNotDeployed", "no agent until the VirtualMachine and the "
                           "Secret are available")
     else:
         agent = Condition(AGENT_READY, *agent_readiness(observed.deployment))
-    if not observed.vm_found:
+    if observed.rejected:
+        ready = Condition(READY, False, agent.reason, agent.message)
+    elif not observed.vm_found:
         ready = Condition(READY, False, vm_cond.reason, vm_cond.message)
     elif problem:
         ready = Condition(READY, False, secret_cond.reason, secret_cond.message)

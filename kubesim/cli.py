@@ -72,6 +72,10 @@ def run(args: Any) -> int:
         return 2
     cluster = Cluster(dataclasses.replace(config_from(args), process_cpus=process_cpus))
     cluster.start()
+    # SIGUSR1: what clients see of an API server restart after a compaction (every watch ends; resuming one gets
+    # 410 Gone and its client re-lists), for tests of what controllers do then.
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(
+        target=cluster.store.compact_and_close_watches, name="restart-watches", daemon=True).start())
     # The store is a large, long-lived graph of dicts with no reference cycles to speak of, and every write
     # allocates thousands of short-lived ones: with the default thresholds the cyclic collector kept walking the
     # whole store (about a tenth of kubesim's CPU at 1,000 VirtualMachineBMCs, measured with perf). What exists at

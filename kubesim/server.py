@@ -651,7 +651,7 @@ class _Handler(BaseHTTPRequestHandler):
         deadline = time.monotonic() + timeout
         next_bookmark = time.monotonic() + self.api.bookmark_interval
         try:
-            while not self.api._stopping.is_set():
+            while not self.api._stopping.is_set() and not watcher.closed:
                 now = time.monotonic()
                 if now >= deadline:
                     break

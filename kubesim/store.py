@@ -242,6 +242,20 @@ class Store:
         with self._lock:
             self._watchers[watcher.rtype.key].discard(watcher)
 
+    def compact_and_close_watches(self) -> int:
+        """As an API server restart after etcd compacted its history: every watch ends, and one resumed from
+        the resourceVersion it had reached gets 410 Gone, so its client lists again. The number of watches."""
+        with self._lock:
+            self._history.clear()
+            # One revision on (others' writes move etcd's counter too): whatever a watch had reached is now
+            # behind the compaction, while a list's resourceVersion is not.
+            self._rv += 1
+            self._compacted = self._rv
+            watchers = [w for ws in self._watchers.values() for w in ws]
+        for watcher in watchers:
+            watcher.close()
+        return len(watchers)
+
     def watcher_count(self) -> int:
         return sum(len(ws) for ws in self._watchers.values())
 
@@ -538,6 +552,10 @@ class Store:
             causes.append({"field": "metadata.name", "message": f'Invalid value: "{name}": a lowercase RFC 1123 '
                            "label must consist of lower case alphanumeric characters or '-', and must start and "
                            "end with an alphanumeric character"})
+        elif rtype.kind == "Service" and not name[0].isalpha():  # ValidateServiceName: a DNS-1035 label
+            causes.append({"field": "metadata.name", "message": f'Invalid value: "{name}": a DNS-1035 label must '
+                           "consist of lower case alphanumeric characters or '-', start with an alphabetic "
+                           "character, and end with an alphanumeric character"})
         elif len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
             causes.append({"field": "metadata.name", "message": f'Invalid value: "{name}": a lowercase RFC 1123 '
                            "subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
@@ -547,7 +565,12 @@ class Store:
                 causes.append({"field": "metadata.labels", "message": f'Invalid value: "{value}": a valid label '
                                "must be an empty string or consist of alphanumeric characters, '-', '_' or '.'"})
         for key, value in (meta.get("annotations") or {}).items():
-            if not isinstance(value, str):
+            if not LABEL_KEY.match(key):  # ValidateAnnotations: every key is a qualified name, as a label's
+                causes.append({"field": "metadata.annotations", "message": f'Invalid value: "{key}": name part '
+                               "must consist of alphanumeric characters, '-', '_' or '.', and must start and end "
+                               "with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex "
+                               "used for validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')"})
+            elif not isinstance(value, str):
                 causes.append({"field": f"metadata.annotations.{key}", "message": "Invalid value: must be a "
                                "string", "reason": "FieldValueTypeInvalid"})
         if causes:

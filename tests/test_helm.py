@@ -302,11 +302,11 @@ def test_a_single_replica_without_leader_election_has_no_lease_role(chart: helm.
 def test_the_cluster_role_holds_exactly_what_the_controller_and_its_agents_need(chart: helm.Chart) -> None:
     # The controller's own calls: list+watch for its caches (controller/caches.py); server-side apply of the
     # children, authorized as patch, and as create when the object is new (reconciler.py); deleting an agent
-    # Deployment; the status merge patch; core Events (events.py).
+    # Deployment; the status merge patch; core Events, created and patched when they repeat (events.py).
     own: dict[tuple[str, str], set[str]] = {(BMCS.group, BMCS.plural): {"list", "watch"},
                                             (VMS.group, VMS.plural): {"list", "watch"},
                                             (BMCS.group, f"{BMCS.plural}/status"): {"patch"},
-                                            ("", "events"): {"create"}}
+                                            ("", "events"): {"create", "patch"}}
     for kind in CHILD_KINDS.values():
         own[(kind.group, kind.plural)] = {"list", "watch", "create", "patch"}
     own[("apps", "deployments")].add("delete")
