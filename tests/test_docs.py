@@ -263,11 +263,11 @@ def observed_worlds() -> Iterator[status.Observed]:
 
     deployments = [None, deployment(2, 1, 1, 1, 1), deployment(2, 2, 0, 0, 1), deployment(2, 2, 1, 1, 2),
                    deployment(2, 2, 1, 0, 1), deployment(2, 2, 1, 1, 1)]
-    for vm, cred, tls_problem, conflict, blocked, ip, dep in itertools.product(
+    for vm, cred, tls_problem, conflict, blocked, rejected, ip, dep in itertools.product(
             (True, False), credentials, tls, ("", "older"), ("", "Service vm-virtbmc is controlled by another"),
-            ("", "10.0.0.1"), deployments):
+            ("", "the API server refused Service vm-virtbmc: 422 Invalid: ..."), ("", "10.0.0.1"), deployments):
         yield status.Observed(vm_found=vm, credentials_problem=cred, tls_problem=tls_problem, conflict_with=conflict,
-                              blocked_by=blocked, cluster_ip=ip, deployment=dep)
+                              blocked_by=blocked, rejected=rejected, cluster_ip=ip, deployment=dep)
 
 
 def test_the_documented_conditions_and_status_of_each_reason_are_what_the_controller_produces() -> None:
