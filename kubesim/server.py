@@ -50,7 +50,7 @@ class SubresourceAPI:
 
 
 class ApiServer:
-    def __init__(self, store: Store, tokens: dict[str, str], bookmark_interval: float = 5.0,
+    def __init__(self, store: Store, tokens: dict[str, str], bookmark_interval: float = 60.0,
                  tls: ssl.SSLContext | None = None) -> None:
         self.tls = tls
         self.store = store

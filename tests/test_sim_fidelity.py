@@ -3,11 +3,15 @@ shape of list items, empty maps, watch bookmarks, pods/log and kubectl's tables.
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
 import pytest
 from kubernetes import client
+
+from kubesim import cli
+from kubesim.cluster import SimConfig
 
 from .conftest import Reply, Sim, call
 from .test_sim_kubectl import kubectl
@@ -125,3 +129,15 @@ def test_kubectl_reads_builtin_lists_without_item_type_meta(sim: Sim, api: clien
     assert [(i["kind"], i["data"]) for i in items] == [("ConfigMap", {"a": "1"})]
     names = kubectl(sim, "get", "configmaps", "-n", namespace, "-o", "name")
     assert "configmap/shown" in names.stdout.split(), names.stderr
+
+
+# ---- watch bookmarks
+
+
+def test_bookmarks_default_to_about_once_a_minute_as_kube_apiserver_sends_them() -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.config_from(parser.parse_args([])).bookmark_interval == 60.0
+    assert SimConfig().bookmark_interval == 60.0
+    quick = cli.config_from(parser.parse_args(["--bookmark-interval", "0.5"]))
+    assert quick.bookmark_interval == 0.5
