@@ -32,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--service-cidr", default="127.2.0.0/16", help="Service ClusterIPs (default %(default)s)")
     parser.add_argument("--load-balancer-cidr", default="127.3.0.0/16",
                         help="LoadBalancer ingress IPs (default %(default)s)")
-    parser.add_argument("--bookmark-interval", type=float, default=5.0, metavar="SECONDS",
-                        help="how often an idle watch that allows bookmarks gets one")
+    parser.add_argument("--bookmark-interval", type=float, default=60.0, metavar="SECONDS",
+                        help="how often a watch that allows bookmarks gets one (default %(default)s, about "
+                             "kube-apiserver's once a minute)")
     parser.add_argument("--log-dir", default="", help="where agent pods write their logs")
     parser.add_argument("--cpu", default="auto", metavar="auto|all|N",
                         help="the CPU kubesim's threads run on: auto (the highest-numbered one it may use), a CPU "

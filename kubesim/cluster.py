@@ -37,7 +37,8 @@ class SimConfig:
     port: int = 6443
     kubeconfig: str = ""
     history_size: int = 20000
-    bookmark_interval: float = 5.0
+    # kube-apiserver sends a watch that allows bookmarks one about once a minute.
+    bookmark_interval: float = 60.0
     # KubeVirt timings (seconds): VMI Scheduled->Running, graceful ACPI shutdown, CDI import.
     vm_start_delay: float = 1.0
     vm_stop_delay: float = 2.0

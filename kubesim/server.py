@@ -24,7 +24,7 @@ from .jsonpath import evaluate
 from .objects import parse_time
 from .resources import ResourceType
 from .selectors import field_matcher, label_matcher, selected_name
-from .store import APPLY, Event, Store, decode_continue, encode_continue, encoded
+from .store import APPLY, Event, Store, decode_continue, encode_continue, encoded, encoded_list_item, list_item
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -50,7 +50,7 @@ class SubresourceAPI:
 
 
 class ApiServer:
-    def __init__(self, store: Store, tokens: dict[str, str], bookmark_interval: float = 5.0,
+    def __init__(self, store: Store, tokens: dict[str, str], bookmark_interval: float = 60.0,
                  tls: ssl.SSLContext | None = None) -> None:
         self.tls = tls
         self.store = store
@@ -362,9 +362,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_list(self, rtype: ResourceType, meta: Obj, items: list[Obj]) -> None:
         head = {"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version(self.version), "metadata": meta}
         if self.version != rtype.version and rtype.group:
-            return self._send_json(200, {**head, "items": [self._out(o) for o in items]})
+            return self._send_json(200, {**head, "items": [list_item(rtype, self._out(o)) for o in items]})
         data = json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"items":[' + b",".join(
-            encoded(o) for o in items) + b"]}"
+            encoded_list_item(rtype, o) for o in items) + b"]}"
         self._send_json(200, None, data=data)
 
     def _send_json(self, code: int, obj: Any, headers: dict[str, str] | None = None, *,
@@ -591,7 +591,7 @@ class _Handler(BaseHTTPRequestHandler):
                         raise
             return self._send_json(200, {"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version(),
                                          "metadata": {"resourceVersion": str(store.resource_version)},
-                                         "items": deleted})
+                                         "items": [list_item(rtype, o) for o in deleted]})
         obj, gone = store.delete(rtype, namespace, name, propagation=propagation, grace_period=grace_period,
                                  preconditions=opts.get("preconditions"), dry_run=dry_run)
         if not gone or rtype.delete_returns_object:

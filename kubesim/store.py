@@ -66,6 +66,23 @@ def encoded(obj: Obj) -> bytes:
     return _encoded.get(obj, lambda: json.dumps(obj, separators=(",", ":")).encode())
 
 
+def encoded_list_item(rtype: ResourceType, obj: Obj) -> bytes:
+    """`obj` as an item of a list of its kind. kube-apiserver converts a built-in kind's list from the internal
+    version item by item, and that conversion leaves each item's TypeMeta empty: only the list says apiVersion
+    and kind. A custom resource's list is unstructured, its items kept whole."""
+    if rtype.crd:
+        return encoded(obj)
+    return _encoded.get(obj, lambda: json.dumps(list_item(rtype, obj), separators=(",", ":")).encode(),
+                        "list-item")
+
+
+def list_item(rtype: ResourceType, obj: Obj) -> Obj:
+    """`obj` as an item of a list of its kind (see encoded_list_item)."""
+    if rtype.crd:
+        return obj
+    return {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
+
+
 class Watcher:
     """One watch: the events for one kind that match its namespace and selectors, in order."""
 

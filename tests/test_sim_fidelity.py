@@ -1,0 +1,143 @@
+"""kubesim answers as kube-apiserver v1.36 does in the details that hide controller bugs when they differ: the
+shape of list items, empty maps, watch bookmarks, pods/log and kubectl's tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from kubesim import cli
+from kubesim.cluster import SimConfig
+
+from .conftest import Reply, Sim, call
+from .test_sim_kubectl import kubectl
+
+BUILTIN_LISTS = [
+    ("/api/v1/namespaces/{ns}/configmaps", {"metadata": {"name": "item"}, "data": {"a": "1"}}),
+    ("/api/v1/namespaces/{ns}/secrets", {"metadata": {"name": "item"}, "stringData": {"a": "1"}}),
+    ("/api/v1/namespaces/{ns}/serviceaccounts", {"metadata": {"name": "item"}}),
+    ("/api/v1/namespaces/{ns}/services", {"metadata": {"name": "item"},
+                                          "spec": {"ports": [{"port": 80}], "selector": {"app": "x"}}}),
+    ("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles", {"metadata": {"name": "item"}, "rules": []}),
+    ("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases", {"metadata": {"name": "item"}, "spec": {}}),
+    ("/apis/apps/v1/namespaces/{ns}/deployments", {"metadata": {"name": "item"}, "spec": {
+        "replicas": 0, "selector": {"matchLabels": {"app": "x"}},
+        "template": {"metadata": {"labels": {"app": "x"}},
+                     "spec": {"containers": [{"name": "c", "image": "example/c"}]}}}}),
+]
+
+
+def _watch_events(api: client.ApiClient, path: str) -> list[dict[str, Any]]:
+    """The events a watch from resourceVersion 0 sends at once (an ADDED per object), read until it times out."""
+    reply = call(api, "GET", path, query={"watch": "true", "resourceVersion": "0", "timeoutSeconds": "1"})
+    text = reply.body if isinstance(reply.body, str) else json.dumps(reply.body)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _list(api: client.ApiClient, path: str, **query: str) -> Reply:
+    reply = call(api, "GET", path, query=query or None)
+    assert reply.status == 200, reply.body
+    return reply
+
+
+# ---- list items
+
+
+@pytest.mark.parametrize(("path", "body"), BUILTIN_LISTS, ids=[p.rsplit("/", 1)[1] for p, _ in BUILTIN_LISTS])
+def test_builtin_list_items_carry_no_type_meta_but_gets_and_watch_events_do(
+        api: client.ApiClient, namespace: str, path: str, body: dict[str, Any]) -> None:
+    path = path.format(ns=namespace)
+    created = call(api, "POST", path, body)
+    assert created.status == 201, created.body
+    kind = created.body["kind"]
+
+    listed = _list(api, path).body
+    assert listed["kind"] == f"{kind}List" and listed["apiVersion"] == created.body["apiVersion"]
+    item = next(i for i in listed["items"] if i["metadata"]["name"] == "item")
+    assert "kind" not in item and "apiVersion" not in item
+    assert item["metadata"]["uid"] == created.body["metadata"]["uid"]
+
+    got = call(api, "GET", f"{path}/item").body
+    assert got["kind"] == kind and got["apiVersion"] == created.body["apiVersion"]
+    added = next(e for e in _watch_events(api, path) if e["object"]["metadata"]["name"] == "item")
+    assert added["object"]["kind"] == kind and added["object"]["apiVersion"] == created.body["apiVersion"]
+
+
+def test_builtin_list_pages_and_cluster_scoped_lists_carry_no_item_type_meta(
+        api: client.ApiClient, namespace: str) -> None:
+    for name in ("a", "b", "c"):
+        created = call(api, "POST", f"/api/v1/namespaces/{namespace}/configmaps", {"metadata": {"name": name}})
+        assert created.status == 201
+    page = _list(api, f"/api/v1/namespaces/{namespace}/configmaps", limit="2").body
+    assert page["metadata"]["continue"] and len(page["items"]) == 2
+    rest = _list(api, f"/api/v1/namespaces/{namespace}/configmaps", limit="2",
+                 **{"continue": page["metadata"]["continue"]}).body
+    for item in page["items"] + rest["items"]:
+        assert "kind" not in item and "apiVersion" not in item
+    for path in ("/api/v1/namespaces", "/api/v1/configmaps",
+                 "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"):
+        items = _list(api, path).body["items"]
+        assert items and all("kind" not in i and "apiVersion" not in i for i in items), path
+
+
+def test_delete_collection_of_a_builtin_kind_answers_a_list_without_item_type_meta(
+        api: client.ApiClient, namespace: str) -> None:
+    path = f"/api/v1/namespaces/{namespace}/configmaps"
+    assert call(api, "POST", path, {"metadata": {"name": "gone"}}).status == 201
+    reply = call(api, "DELETE", path)
+    assert reply.status == 200 and reply.body["kind"] == "ConfigMapList"
+    assert [i["metadata"]["name"] for i in reply.body["items"]] == ["gone"]
+    assert "kind" not in reply.body["items"][0] and "apiVersion" not in reply.body["items"][0]
+
+
+def test_custom_resource_list_items_keep_kind_and_api_version(api: client.ApiClient, namespace: str) -> None:
+    path = f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines"
+    vm = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": "listed"},
+          "spec": {"runStrategy": "Halted", "template": {"spec": {"domain": {"devices": {}}}}}}
+    assert call(api, "POST", path, vm).status == 201
+    dv_path = f"/apis/cdi.kubevirt.io/v1beta1/namespaces/{namespace}/datavolumes"
+    dv = {"apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume", "metadata": {"name": "listed"},
+          "spec": {"source": {"blank": {}}, "storage": {"resources": {"requests": {"storage": "1Gi"}}}}}
+    assert call(api, "POST", dv_path, dv).status == 201, "DataVolume create"
+
+    for list_path, kind, api_version in ((path, "VirtualMachine", "kubevirt.io/v1"),
+                                         (dv_path, "DataVolume", "cdi.kubevirt.io/v1beta1")):
+        items = _list(api, list_path).body["items"]
+        assert [(i["kind"], i["apiVersion"]) for i in items] == [(kind, api_version)]
+
+
+def test_official_client_reads_builtin_lists_without_item_type_meta(api: client.ApiClient, namespace: str) -> None:
+    core = client.CoreV1Api(api)
+    core.create_namespaced_service_account(namespace, client.V1ServiceAccount(
+        metadata=client.V1ObjectMeta(name="reader")))
+    accounts = core.list_namespaced_service_account(namespace)
+    assert accounts.kind == "ServiceAccountList"
+    assert [(a.metadata.name, a.kind) for a in accounts.items if a.metadata.name == "reader"] == [("reader", None)]
+
+
+def test_kubectl_reads_builtin_lists_without_item_type_meta(sim: Sim, api: client.ApiClient, namespace: str) -> None:
+    assert call(api, "POST", f"/api/v1/namespaces/{namespace}/configmaps",
+                {"metadata": {"name": "shown"}, "data": {"a": "1"}}).status == 201
+    got = kubectl(sim, "get", "configmaps", "-n", namespace, "-o", "json")
+    assert got.returncode == 0, got.stderr
+    items = [i for i in json.loads(got.stdout)["items"] if i["metadata"]["name"] == "shown"]
+    # kubectl fills in each item's kind from the list it decoded, as against a real cluster.
+    assert [(i["kind"], i["data"]) for i in items] == [("ConfigMap", {"a": "1"})]
+    names = kubectl(sim, "get", "configmaps", "-n", namespace, "-o", "name")
+    assert "configmap/shown" in names.stdout.split(), names.stderr
+
+
+# ---- watch bookmarks
+
+
+def test_bookmarks_default_to_about_once_a_minute_as_kube_apiserver_sends_them() -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.config_from(parser.parse_args([])).bookmark_interval == 60.0
+    assert SimConfig().bookmark_interval == 60.0
+    quick = cli.config_from(parser.parse_args(["--bookmark-interval", "0.5"]))
+    assert quick.bookmark_interval == 0.5
