@@ -1,0 +1,233 @@
+"""The generated Redfish certificates: a CA that stays, a leaf re-issued when its names change or at two thirds of
+its life, and what the status shows. Pure functions first, then through the reconciler with a clock of its own."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import ssl
+import threading
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from controller import certificates, desired
+from controller.certificates import KeyPair, TLSMaterial
+from controller.settings import Settings, add_arguments, settings_from
+from controller.status import Observed, desired_status, status_patch
+
+NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+DAY = datetime.timedelta(days=1)
+NAMES = certificates.service_names("vm-virtbmc", "ns", "10.0.0.1")
+
+
+@pytest.fixture(scope="module")
+def ca() -> KeyPair:
+    return certificates.issue_ca("kubevbmc CA ns/vm", NOW)
+
+
+@pytest.fixture(scope="module")
+def leaf(ca: KeyPair) -> TLSMaterial:
+    return certificates.issue_leaf(ca, NAMES, NOW)
+
+
+def verifies(material: TLSMaterial, pinned_ca: bytes, tmp_path: Path, host: str = "10.0.0.1") -> bool:
+    """Whether a TLS client that trusts only `pinned_ca` accepts a server with `material`, for `host`
+    (a real handshake over a socket pair, with hostname checking)."""
+    import socket
+
+    (tmp_path / "crt").write_bytes(material.cert_pem)
+    (tmp_path / "key").write_bytes(material.key_pem)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(tmp_path / "crt", tmp_path / "key")
+    client_ctx = ssl.create_default_context(cadata=pinned_ca.decode())
+    a, b = socket.socketpair()
+    server_error: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            with server_ctx.wrap_socket(a, server_side=True) as conn:
+                conn.recv(1)
+        except (ssl.SSLError, OSError) as exc:
+            server_error.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with client_ctx.wrap_socket(b, server_hostname=host) as conn:
+            conn.sendall(b"x")
+        return True
+    except ssl.SSLCertVerificationError:
+        return False
+    finally:
+        thread.join(10)
+        a.close()
+
+
+# ---- the leaf
+
+def test_the_leaf_names_the_service_and_verifies_with_the_ca(ca: KeyPair, leaf: TLSMaterial, tmp_path: Path) -> None:
+    assert "vm-virtbmc.ns.svc.cluster.local" in NAMES and "10.0.0.1" in NAMES
+    assert leaf.ca_pem == ca.cert_pem
+    assert verifies(leaf, ca.cert_pem, tmp_path, "10.0.0.1")
+    assert verifies(leaf, ca.cert_pem, tmp_path, "vm-virtbmc.ns.svc")
+    assert not verifies(leaf, ca.cert_pem, tmp_path, "10.0.0.2")  # a name it lacks
+
+
+def test_a_leaf_is_kept_while_its_names_and_ca_hold_until_two_thirds_of_its_life(ca: KeyPair,
+                                                                                  leaf: TLSMaterial) -> None:
+    assert certificates.leaf_problem(leaf, ca.cert_pem, NAMES, NOW) is None
+    assert certificates.leaf_problem(leaf, ca.cert_pem, list(reversed(NAMES)), NOW) is None  # order is no change
+    assert certificates.leaf_problem(leaf, ca.cert_pem, NAMES, NOW + 240 * DAY) is None
+    due = certificates.leaf_problem(leaf, ca.cert_pem, NAMES, NOW + 244 * DAY)
+    assert due is not None and "due for renewal" in due
+    cert = certificates.load(leaf.cert_pem)
+    assert cert is not None
+    assert certificates.renew_after(cert) - NOW == pytest.approx(
+        datetime.timedelta(days=365) * 2 / 3, abs=datetime.timedelta(minutes=5))
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ("cluster_ip", "names changed"),
+    ("load_balancer", "names changed"),
+    ("other_ca", "not signed by the BMC's CA"),
+    ("wrong_key", "key does not match"),
+    ("garbage", "does not parse"),
+    ("missing", "no certificate yet"),
+    ("clock_went_back", "not valid yet"),
+])
+def test_a_leaf_is_issued_again_when(change: str, why: str, ca: KeyPair, leaf: TLSMaterial) -> None:
+    names, now, stored, pinned = NAMES, NOW, leaf, ca.cert_pem
+    if change == "cluster_ip":
+        names = certificates.service_names("vm-virtbmc", "ns", "10.0.0.2")
+    elif change == "load_balancer":
+        names = certificates.service_names("vm-virtbmc", "ns", "10.0.0.1", "192.0.2.50")
+        assert names == [*NAMES, "192.0.2.50"]
+    elif change == "other_ca":
+        pinned = certificates.issue_ca("another", NOW).cert_pem
+    elif change == "wrong_key":
+        stored = TLSMaterial(leaf.cert_pem, certificates.issue_leaf(ca, NAMES, NOW).key_pem, leaf.ca_pem)
+    elif change == "garbage":
+        stored = TLSMaterial(b"garbage", leaf.key_pem, leaf.ca_pem)
+    elif change == "missing":
+        stored = None
+    elif change == "clock_went_back":
+        now = NOW - DAY
+    problem = certificates.leaf_problem(stored, pinned, names, now)
+    assert problem is not None and why in problem
+
+
+def test_a_leaf_from_before_the_ca_was_kept_is_issued_again_once(ca: KeyPair) -> None:
+    """The controller before this one made a CA with each leaf and kept no key: such a leaf, with its own
+    ca.crt, is replaced by one the kept CA signs."""
+    old_ca = certificates.issue_ca("kubevbmc CA for vm-virtbmc", NOW)
+    old = certificates.issue_leaf(old_ca, NAMES, NOW)
+    problem = certificates.leaf_problem(old, ca.cert_pem, NAMES, NOW)
+    assert problem is not None and "not signed by the BMC's CA" in problem
+    new = certificates.issue_leaf(ca, NAMES, NOW)
+    assert certificates.leaf_problem(new, ca.cert_pem, NAMES, NOW) is None
+
+
+def test_a_short_leaf_is_renewed_in_the_future_not_backdated_past_it(ca: KeyPair) -> None:
+    short = certificates.issue_leaf(ca, NAMES, NOW, datetime.timedelta(seconds=30))
+    cert = certificates.load(short.cert_pem)
+    assert cert is not None
+    assert NOW + datetime.timedelta(seconds=15) <= certificates.renew_after(cert) <= NOW + datetime.timedelta(
+        seconds=21)
+    assert certificates.leaf_problem(short, ca.cert_pem, NAMES, NOW + datetime.timedelta(seconds=10)) is None
+    assert certificates.leaf_problem(short, ca.cert_pem, NAMES, NOW + datetime.timedelta(seconds=21)) is not None
+
+
+# ---- the CA
+
+def test_the_ca_is_kept_for_years_and_renewed_only_when_a_new_leaf_would_outlive_it(ca: KeyPair) -> None:
+    assert certificates.ca_problem(ca, NOW) is None
+    assert certificates.ca_problem(ca, NOW + 3000 * DAY) is None
+    late = certificates.ca_problem(ca, NOW + 3300 * DAY)  # less than a leaf's 365 days left of its 3650
+    assert late is not None and "expires" in late
+    assert certificates.ca_problem(ca, NOW + 3000 * DAY, leaf_validity=1000 * DAY) is not None
+
+
+@pytest.mark.parametrize("broken", ["missing", "garbage", "other_key", "not_a_ca"])
+def test_a_ca_that_cannot_sign_is_replaced(broken: str, ca: KeyPair, leaf: TLSMaterial) -> None:
+    stored: KeyPair | None = {
+        "missing": None,
+        "garbage": KeyPair(b"garbage", ca.key_pem),
+        "other_key": KeyPair(ca.cert_pem, certificates.issue_ca("x", NOW).key_pem),
+        "not_a_ca": KeyPair(leaf.cert_pem, leaf.key_pem),
+    }[broken]
+    assert certificates.ca_problem(stored, NOW) is not None
+
+
+def test_a_leaf_never_outlives_its_ca() -> None:
+    short_ca = certificates.issue_ca("short", NOW, validity=100 * DAY)
+    leaf = certificates.issue_leaf(short_ca, NAMES, NOW)
+    cert, ca_cert = certificates.load(leaf.cert_pem), certificates.load(short_ca.cert_pem)
+    assert cert is not None and ca_cert is not None
+    assert cert.not_valid_after_utc == ca_cert.not_valid_after_utc
+
+
+# ---- status and settings
+
+def test_the_status_shows_expiry_renewal_and_the_fingerprint_of_the_ca_to_pin(ca: KeyPair, leaf: TLSMaterial) -> None:
+    shown = certificates.certificate_status(leaf.cert_pem, ca.cert_pem)
+    cert = x509.load_pem_x509_certificate(leaf.cert_pem)
+    assert shown["notAfter"] == f"{cert.not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}"
+    assert shown["renewAfter"] == f"{certificates.renew_after(cert):%Y-%m-%dT%H:%M:%SZ}"
+    der = x509.load_pem_x509_certificate(ca.cert_pem).fingerprint(certificates.hashes.SHA256()).hex().upper()
+    assert shown["caFingerprint"].removeprefix("SHA256:").replace(":", "") == der
+    # A user's certificate: only its expiry (nothing is renewed, no CA of ours).
+    assert set(certificates.certificate_status(leaf.cert_pem)) == {"notAfter"}
+    assert certificates.certificate_status(b"") == {}
+
+
+def test_the_certificate_status_is_written_once_and_a_dropped_field_is_nulled() -> None:
+    bmc = {"metadata": {"name": "b", "namespace": "ns", "uid": "u", "generation": 1},
+           "spec": {"virtualMachineRef": {"name": "vm"}, "authSecretRef": {"name": "auth"}}}
+    generated = {"notAfter": "2027-01-01T00:00:00Z", "renewAfter": "2026-09-01T00:00:00Z", "caFingerprint": "SHA256:AB"}
+    first = desired_status(bmc, Observed(True, None, cluster_ip="10.0.0.1", certificate=generated), "t")
+    assert first["redfish"] == {"certificate": generated}
+    assert status_patch(first, first) is None
+    mine = desired_status(bmc, Observed(True, None, cluster_ip="10.0.0.1",
+                                        certificate={"notAfter": "2030-01-01T00:00:00Z"}), "t")
+    assert (status_patch(first, mine) or {})["redfish"] == {"certificate": {
+        "notAfter": "2030-01-01T00:00:00Z", "renewAfter": None, "caFingerprint": None}}
+    gone = desired_status(bmc, Observed(True, None, cluster_ip="10.0.0.1"), "t")
+    assert (status_patch(first, gone) or {})["redfish"] is None
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("365d", 365 * 86400.0), ("2160h", 2160 * 3600.0), ("45m", 2700.0),
+                                                ("30s", 30.0), ("90", 90.0)])
+def test_the_certificate_duration_flag_takes_units(value: str, seconds: float) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert settings_from(parser.parse_args(["--certificate-duration", value])).certificate_duration == seconds
+
+
+@pytest.mark.parametrize("value", ["10s", "2000d", "1y", "-5", ""])
+def test_a_bad_certificate_duration_is_refused_naming_the_flag(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--certificate-duration", value])
+    assert exit_.value.code == 2 and "--certificate-duration" in capsys.readouterr().err
+
+
+def test_the_ca_secret_is_a_controlled_child_named_from_the_vm(ca: KeyPair) -> None:
+    bmc = {"metadata": {"name": "b", "namespace": "ns", "uid": "u1"}, "spec": {"virtualMachineRef": {"name": "vm"}}}
+    secret = desired.desired_ca_secret(bmc, "vm", ca)
+    assert secret["metadata"]["name"] == desired.ca_secret_name("vm") == desired.child_name("vm") + "-ca"
+    assert secret["metadata"]["labels"][desired.MANAGED_BY] == desired.MANAGER
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    assert base64.b64decode(secret["data"]["tls.key"]) == ca.key_pem
+    # The agent mounts only its own TLS Secret, which has no CA key.
+    tls = desired.desired_tls_secret(bmc, "vm", certificates.issue_leaf(ca, NAMES, NOW))
+    deployment = desired.desired_deployment(bmc | {"spec": {"virtualMachineRef": {"name": "vm"},
+                                                             "authSecretRef": {"name": "auth"}}},
+                                            "vm", Settings(), {"metadata": {"name": "auth"}, "data": {}}, tls)
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    assert [v["secret"]["secretName"] for v in volumes if "secret" in v] == [desired.tls_secret_name("vm")]
+    assert base64.b64decode(tls["data"]["ca.crt"]) == ca.cert_pem and "ca.key" not in tls["data"]
+
