@@ -8,15 +8,29 @@ import base64
 import datetime
 import ssl
 import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from cryptography import x509
+from kubernetes import client
 
 from controller import certificates, desired
+from controller.caches import Caches
 from controller.certificates import KeyPair, TLSMaterial
+from controller.events import EventRecorder
+from controller.kubeapi import KubeApi
+from controller.reconciler import Reconciler, Result
 from controller.settings import Settings, add_arguments, settings_from
 from controller.status import Observed, desired_status, status_patch
+
+from .conftest import BMC_CRD, Sim, call, start_sim, wait_for
+from .controllers import apply_bmc, deployment, get_bmc, make_secret
+from .vms import make_vm
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 DAY = datetime.timedelta(days=1)
@@ -231,3 +245,138 @@ def test_the_ca_secret_is_a_controlled_child_named_from_the_vm(ca: KeyPair) -> N
     assert [v["secret"]["secretName"] for v in volumes if "secret" in v] == [desired.tls_secret_name("vm")]
     assert base64.b64decode(tls["data"]["ca.crt"]) == ca.cert_pem and "ca.key" not in tls["data"]
 
+
+
+# ---- through the reconciler, on a kubesim of this module's own (no other controller reconciles its BMCs)
+
+@pytest.fixture(scope="module")
+def own_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
+    sim = start_sim(tmp_path_factory.mktemp("certs-kubesim"), "--vm-start-delay", "0.3", "--vm-stop-delay", "0.3")
+    try:
+        api = sim.api()
+        reply = call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+                     yaml.safe_load(BMC_CRD.read_text()))
+        assert reply.status == 201, reply.body
+        wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")
+        yield sim
+    finally:
+        sim.stop()
+
+
+def new_namespace(api: client.ApiClient) -> str:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    return name
+
+
+def get_secret(api: client.ApiClient, ns: str, name: str) -> dict[str, Any]:
+    reply = call(api, "GET", f"/api/v1/namespaces/{ns}/secrets/{name}")
+    assert reply.status == 200, reply.body
+    return dict(reply.body)
+
+
+def data(secret: dict[str, Any], key: str) -> bytes:
+    return base64.b64decode(secret["data"][key])
+
+
+class Clock:
+    def __init__(self, now: datetime.datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime.datetime:
+        return self.now
+
+
+@dataclass
+class InProcess:
+    reconciler: Reconciler
+    caches: Caches
+    writes: list[tuple[str, str]]
+    recorder: EventRecorder
+
+    def stop(self) -> None:
+        self.caches.stop()
+        self.recorder.stop()
+
+
+def in_process(api: client.ApiClient, namespace: str, clock: Clock) -> InProcess:
+    writes: list[tuple[str, str]] = []
+    kube = KubeApi(api, on_write=lambda verb, path: writes.append((verb, path)))
+    caches = Caches(kube, namespace, lambda _key: None)  # this test drives reconcile itself
+    recorder = EventRecorder(KubeApi(api))  # its Events are not counted as writes
+    reconciler = Reconciler(kube, caches, Settings(resync_seconds=300), recorder, clock=clock)
+    assert caches.start(timeout=20)
+    return InProcess(reconciler, caches, writes, recorder)
+
+
+def converge(run: InProcess, key: tuple[str, str], timeout: float = 60) -> Result:
+    """Reconcile until the BMC is Ready and a pass writes nothing; that pass's Result."""
+    def quiet() -> tuple[Result] | None:
+        before = len(run.writes)
+        result = run.reconciler.reconcile(key)
+        bmc = run.caches.bmcs.get(*key) or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in (bmc.get("status") or {}).get("conditions") or [])
+        return (result,) if ready and len(run.writes) == before else None
+
+    return wait_for(quiet, timeout=timeout, interval=0.2, what="the BMC Ready and a reconcile that writes nothing")[0]
+
+
+def test_the_reconciler_renews_the_leaf_at_two_thirds_keeping_the_ca_and_writes_nothing_before(
+        own_sim: Sim) -> None:
+    api = own_sim.api()
+    ns = new_namespace(api)
+    make_vm(api, ns)
+    make_secret(api, ns)
+    apply_bmc(api, ns)
+    clock = Clock(datetime.datetime.now(datetime.UTC))
+    run = in_process(api, ns, clock)
+    key = (ns, "vm")
+    try:
+        wait_for(lambda: run.caches.bmcs.get(*key), what="the BMC in the cache")
+        result = converge(run, key)
+        assert result.requeue_after == 0  # the renewal is months away: the resync covers it
+        ca, tls = get_secret(api, ns, "vm-virtbmc-ca"), get_secret(api, ns, "vm-virtbmc-tls")
+        assert data(tls, "ca.crt") == data(ca, "tls.crt")
+        leaf = x509.load_pem_x509_certificate(data(tls, "tls.crt"))
+        renewal = certificates.renew_after(leaf)
+        shown = get_bmc(api, ns)["status"]["redfish"]["certificate"]
+        assert shown == certificates.certificate_status(data(tls, "tls.crt"), data(ca, "tls.crt"))
+        rolled = deployment(api, ns)
+        assert rolled is not None
+        checksum = rolled["spec"]["template"]["metadata"]["annotations"][desired.TLS_CHECKSUM]
+
+        # Until the renewal: nothing written, and a requeue once it comes within a resync.
+        clock.now = renewal - datetime.timedelta(days=30)
+        before = len(run.writes)
+        assert run.reconciler.reconcile(key).requeue_after == 0
+        clock.now = renewal - datetime.timedelta(seconds=100)
+        assert run.reconciler.reconcile(key).requeue_after == pytest.approx(101, abs=1.5)
+        assert run.writes[before:] == []
+
+        # At the renewal: a new leaf for the same names from the same CA, and the agent rolls to it.
+        clock.now = renewal + datetime.timedelta(seconds=1)
+        converge(run, key)
+        assert ("PATCH", f"/api/v1/namespaces/{ns}/secrets/vm-virtbmc-tls") in run.writes[before:]
+        assert not any(path.endswith("/secrets/vm-virtbmc-ca") for _, path in run.writes[before:])
+        assert get_secret(api, ns, "vm-virtbmc-ca")["data"] == ca["data"]
+        renewed = get_secret(api, ns, "vm-virtbmc-tls")
+        new_leaf = x509.load_pem_x509_certificate(data(renewed, "tls.crt"))
+        assert new_leaf.serial_number != leaf.serial_number and data(renewed, "ca.crt") == data(ca, "tls.crt")
+        new_leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(data(ca, "tls.crt")))
+        assert certificates.renew_after(new_leaf) > clock.now
+        assert get_bmc(api, ns)["status"]["redfish"]["certificate"]["notAfter"] != shown["notAfter"]
+        rolled = deployment(api, ns)
+        assert rolled is not None
+        assert rolled["spec"]["template"]["metadata"]["annotations"][desired.TLS_CHECKSUM] != checksum
+    finally:
+        run.stop()
+
+    # A restart over the converged namespace (fresh caches, nothing remembered) writes nothing either.
+    again = in_process(api, ns, clock)
+    try:
+        wait_for(lambda: again.caches.bmcs.get(*key), what="the BMC in the new cache")
+        again.reconciler.reconcile(key)
+        assert again.writes == []
+    finally:
+        again.stop()
