@@ -29,7 +29,7 @@ from controller.settings import Settings, add_arguments, settings_from
 from controller.status import Observed, desired_status, status_patch
 
 from .conftest import BMC_CRD, Sim, call, start_sim, wait_for
-from .controllers import apply_bmc, deployment, get_bmc, make_secret
+from .controllers import BMCS, ControllerProcess, apply_bmc, deployment, get_bmc, is_ready, make_secret
 from .vms import make_vm
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
@@ -249,9 +249,29 @@ def test_the_ca_secret_is_a_controlled_child_named_from_the_vm(ca: KeyPair) -> N
 
 # ---- through the reconciler, on a kubesim of this module's own (no other controller reconciles its BMCs)
 
+def free_ranges() -> list[str]:
+    """Loopback ranges for one more kubesim that no other process serves on now. conftest's address_ranges
+    counts from the same base in every pytest process, so parallel test runs on this machine collide there."""
+    import random
+    import socket
+
+    for _ in range(50):
+        base = random.randrange(100, 250, 3)
+        try:
+            for octet in (base + 1, base + 2):
+                with socket.socket() as probe:
+                    probe.bind((f"127.{octet}.0.1", 443))
+        except OSError:
+            continue
+        return ["--pod-cidr", f"127.{base}.0.0/16", "--service-cidr", f"127.{base + 1}.0.0/16",
+                "--load-balancer-cidr", f"127.{base + 2}.0.0/16"]
+    raise AssertionError("no free loopback range for a kubesim")
+
+
 @pytest.fixture(scope="module")
 def own_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
-    sim = start_sim(tmp_path_factory.mktemp("certs-kubesim"), "--vm-start-delay", "0.3", "--vm-stop-delay", "0.3")
+    sim = start_sim(tmp_path_factory.mktemp("certs-kubesim"), *free_ranges(), "--vm-start-delay", "0.3",
+                    "--vm-stop-delay", "0.3", own_ranges=False)
     try:
         api = sim.api()
         reply = call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
@@ -380,3 +400,100 @@ def test_the_reconciler_renews_the_leaf_at_two_thirds_keeping_the_ca_and_writes_
         assert again.writes == []
     finally:
         again.stop()
+
+
+# ---- end to end: the controller process, real agents, real TLS clients that pinned ca.crt
+
+def handshake(host: str, pinned_ca: bytes) -> x509.Certificate | int | None:
+    """What `host`:443 serves, to a client that trusts only `pinned_ca` and checks the host name: the
+    certificate when it verifies, the OpenSSL verify code when it does not (62: a name it lacks; 19-21: not
+    from that CA), None when nothing answers (an agent restarting)."""
+    import socket
+
+    context = ssl.create_default_context(cadata=pinned_ca.decode())
+    try:
+        with socket.create_connection((host, 443), timeout=5) as sock, \
+                context.wrap_socket(sock, server_hostname=host) as conn:
+            der = conn.getpeercert(binary_form=True)
+    except ssl.SSLCertVerificationError as exc:
+        return int(exc.verify_code)
+    except OSError:
+        return None
+    assert der is not None
+    return x509.load_der_x509_certificate(der)
+
+
+def test_a_client_that_pinned_ca_crt_keeps_verifying_across_a_load_balancer_and_a_renewal(
+        own_sim: Sim, tmp_path: Path) -> None:
+    api = own_sim.api()
+    ns = new_namespace(api)
+    # A second BMC serves the user's own certificate: the controller never touches it.
+    user_ca = certificates.issue_ca("user CA", datetime.datetime.now(datetime.UTC))
+    user_tls = certificates.issue_leaf(user_ca, ["bmc.example.com"], datetime.datetime.now(datetime.UTC))
+    reply = call(api, "POST", f"/api/v1/namespaces/{ns}/secrets", {
+        "metadata": {"name": "user-tls"}, "type": "kubernetes.io/tls",
+        "data": {"tls.crt": base64.b64encode(user_tls.cert_pem).decode(),
+                 "tls.key": base64.b64encode(user_tls.key_pem).decode()}})
+    assert reply.status == 201, reply.body
+    user_secret = reply.body
+    make_vm(api, ns)
+    make_vm(api, ns, "vm2")
+    make_secret(api, ns)
+    apply_bmc(api, ns)
+    apply_bmc(api, ns, name="vm2", vm="vm2", redfish={"tls": {"secretRef": {"name": "user-tls"}}})
+    controller = ControllerProcess(own_sim.kubeconfig, tmp_path / "controller.log", "--leader-elect", "false",
+                                   "--certificate-duration", "45s")  # renewed about 30 s after each issue
+    seen: list[int] = []  # every verify failure a pinned client met
+
+    def verified(host: str, pinned: bytes) -> x509.Certificate | None:
+        got = handshake(host, pinned)
+        if isinstance(got, int):
+            seen.append(got)
+        return got if isinstance(got, x509.Certificate) else None
+
+    try:
+        wait_for(lambda: is_ready(api, ns) and is_ready(api, ns, "vm2"), timeout=60, what="both BMCs Ready")
+        pinned = data(get_secret(api, ns, "vm-virtbmc-tls"), "ca.crt")  # as docs/usage.md says
+        ca_secret = get_secret(api, ns, "vm-virtbmc-ca")
+        cluster_ip = get_bmc(api, ns)["status"]["clusterIP"]
+        first = wait_for(lambda: verified(cluster_ip, pinned), timeout=30, what="HTTPS verified with ca.crt")
+        assert get_bmc(api, ns)["status"]["redfish"]["certificate"]["caFingerprint"] == \
+            certificates.fingerprint(pinned)
+
+        # A LoadBalancer: the leaf is issued again for the ingress address, from the same CA.
+        reply = call(api, "PATCH", f"{BMCS.format(ns=ns)}/vm", {"spec": {"service": {"type": "LoadBalancer"}}},
+                     content_type="application/merge-patch+json")
+        assert reply.status == 200, reply.body
+        external = wait_for(lambda: get_bmc(api, ns)["status"]["endpoints"]["ipmi"].split(":")[0] != cluster_ip
+                            and get_bmc(api, ns)["status"]["endpoints"]["ipmi"].split(":")[0], timeout=30,
+                            what="the ingress address in the status")
+        on_lb = wait_for(lambda: verified(external, pinned), timeout=60,
+                         what="HTTPS on the ingress address verified with the pinned ca.crt")
+        assert on_lb.serial_number != first.serial_number
+        assert get_bmc(api, ns)["status"]["clusterIP"] == cluster_ip
+        wait_for(lambda: verified(cluster_ip, pinned), timeout=20, what="the ClusterIP still named and verified")
+
+        # The renewal (45 s leaf, renewed at 2/3): a new leaf, the same CA, the same pinned client.
+        shown = get_bmc(api, ns)["status"]["redfish"]["certificate"]
+        assert shown["notAfter"] == f"{on_lb.not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}"
+        renewed = wait_for(lambda: (cert := verified(external, pinned)) is not None
+                           and cert.serial_number != on_lb.serial_number and cert, timeout=120, interval=0.5,
+                           what="a renewed leaf served and verified with the pinned ca.crt")
+        assert renewed.not_valid_after_utc > on_lb.not_valid_after_utc
+        assert wait_for(lambda: get_bmc(api, ns)["status"]["redfish"]["certificate"]["notAfter"]
+                        != shown["notAfter"], timeout=10, what="the new expiry in the status")
+        assert get_secret(api, ns, "vm-virtbmc-ca")["data"] == ca_secret["data"]
+        assert data(get_secret(api, ns, "vm-virtbmc-tls"), "ca.crt") == pinned
+        # Waiting for a new leaf, the pinned client met only an agent restarting or a name it lacked (the
+        # ingress address before its leaf): never a certificate from another CA.
+        assert set(seen) <= {62}, seen
+
+        # The user's Secret: never written, its expiry shown read-only, and no CA of ours for that BMC.
+        assert get_secret(api, ns, "user-tls")["metadata"]["resourceVersion"] == \
+            user_secret["metadata"]["resourceVersion"]
+        assert get_bmc(api, ns, "vm2")["status"]["redfish"]["certificate"] == {
+            "notAfter": f"{x509.load_pem_x509_certificate(user_tls.cert_pem).not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}"}
+        assert call(api, "GET", f"/api/v1/namespaces/{ns}/secrets/vm2-virtbmc-ca").status == 404
+        assert call(api, "GET", f"/api/v1/namespaces/{ns}/secrets/vm2-virtbmc-tls").status == 404
+    finally:
+        assert controller.stop() == 0
