@@ -295,10 +295,10 @@ class Reconciler:
         signed by the BMC's CA, which is kept for as long as it can sign (`certificates`)."""
         namespace = bmc["metadata"]["namespace"]
         now, validity = self.clock(), datetime.timedelta(seconds=self.settings.certificate_duration)
-        ca = self._ca(bmc, vm, now, validity, created)
+        have = self._cached("Secret", namespace, desired.tls_secret_name(vm))
+        ca = self._ca(bmc, vm, now, validity, _decode(have, "ca.crt"), created)
         names = certificates.service_names(desired.child_name(vm), namespace, _cluster_ip(service),
                                            load_balancer_address(service))
-        have = self._cached("Secret", namespace, desired.tls_secret_name(vm))
         stored = None if have is None else certificates.TLSMaterial(
             _decode(have, "tls.crt"), _decode(have, "tls.key"), _decode(have, "ca.crt"))
         why = certificates.leaf_problem(stored, ca.cert_pem, names, now)
@@ -310,15 +310,17 @@ class Reconciler:
             material = certificates.issue_leaf(ca, names, now, validity)
         return self._apply(bmc, desired.desired_tls_secret(bmc, vm, material), created)
 
-    def _ca(self, bmc: Obj, vm: str, now: datetime.datetime, leaf_validity: datetime.timedelta,
+    def _ca(self, bmc: Obj, vm: str, now: datetime.datetime, leaf_validity: datetime.timedelta, served_ca: bytes,
             created: list[str]) -> certificates.KeyPair:
-        """The BMC's CA from its Secret; a new one only when there is none or it can no longer sign a leaf."""
+        """The BMC's CA from its Secret; a new one only when there is none or it can no longer sign a leaf. A
+        new CA while clients may have pinned another (`served_ca`, the TLS Secret's ca.crt: the CA Secret was
+        deleted, or a controller before this one made that leaf) is a Warning."""
         namespace = bmc["metadata"]["namespace"]
         have = self._cached("Secret", namespace, desired.ca_secret_name(vm))
         ca = None if have is None else certificates.KeyPair(_decode(have, "tls.crt"), _decode(have, "tls.key"))
         why = certificates.ca_problem(ca, now, leaf_validity)
         if why is not None:
-            if have is not None:
+            if have is not None or served_ca:
                 self.recorder.event(bmc, "Warning", "CARenewed", f"a new CA in Secret {desired.ca_secret_name(vm)}"
                                     f" ({why}): clients that pinned the old ca.crt must pin the new one")
             ca = certificates.issue_ca(f"kubevbmc CA {namespace}/{vm}", now)

@@ -497,3 +497,49 @@ def test_a_client_that_pinned_ca_crt_keeps_verifying_across_a_load_balancer_and_
         assert call(api, "GET", f"/api/v1/namespaces/{ns}/secrets/vm2-virtbmc-tls").status == 404
     finally:
         assert controller.stop() == 0
+
+
+def events(api: client.ApiClient, ns: str, reason: str) -> list[dict[str, Any]]:
+    items = call(api, "GET", f"/api/v1/namespaces/{ns}/events").body["items"]
+    return [e for e in items if e.get("reason") == reason]
+
+
+def test_a_leaf_from_a_controller_that_kept_no_ca_is_replaced_once_with_a_warning_to_pin_again(
+        own_sim: Sim) -> None:
+    api = own_sim.api()
+    ns = new_namespace(api)
+    make_vm(api, ns)
+    make_secret(api, ns)
+    bmc = apply_bmc(api, ns)
+    # What the controller before this one left: a leaf and a CA made with it, whose key it did not keep.
+    old_ca = certificates.issue_ca("kubevbmc CA for vm-virtbmc", datetime.datetime.now(datetime.UTC))
+    legacy = desired.desired_tls_secret(bmc, "vm", certificates.issue_leaf(
+        old_ca, ["vm-virtbmc"], datetime.datetime.now(datetime.UTC)))
+    reply = call(api, "POST", f"/api/v1/namespaces/{ns}/secrets", legacy)
+    assert reply.status == 201, reply.body
+    run = in_process(api, ns, Clock(datetime.datetime.now(datetime.UTC)))
+    key = (ns, "vm")
+    try:
+        wait_for(lambda: run.caches.bmcs.get(*key), what="the BMC in the cache")
+        converge(run, key)
+        ca = data(get_secret(api, ns, "vm-virtbmc-ca"), "tls.crt")
+        tls = get_secret(api, ns, "vm-virtbmc-tls")
+        assert data(tls, "ca.crt") == ca != old_ca.cert_pem
+        x509.load_pem_x509_certificate(data(tls, "tls.crt")).verify_directly_issued_by(
+            x509.load_pem_x509_certificate(ca))
+        warned = wait_for(lambda: events(api, ns, "CARenewed"), what="the CARenewed Event")
+        assert len(warned) == 1 and warned[0]["type"] == "Warning" and "pin the new one" in warned[0]["message"]
+
+        # Once: the next reconciles keep that CA and that leaf.
+        before = len(run.writes)
+        run.reconciler.reconcile(key)
+        assert run.writes[before:] == []
+
+        # A CA Secret deleted by hand: a new CA, and the same Warning.
+        assert call(api, "DELETE", f"/api/v1/namespaces/{ns}/secrets/vm-virtbmc-ca").status == 200
+        wait_for(lambda: run.caches.secrets.get(ns, "vm-virtbmc-ca") is None, what="the deletion in the cache")
+        converge(run, key)
+        assert data(get_secret(api, ns, "vm-virtbmc-ca"), "tls.crt") != ca
+        wait_for(lambda: len(events(api, ns, "CARenewed")) == 2, what="a second CARenewed Event")
+    finally:
+        run.stop()
