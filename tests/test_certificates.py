@@ -442,7 +442,7 @@ def test_a_client_that_pinned_ca_crt_keeps_verifying_across_a_load_balancer_and_
     apply_bmc(api, ns)
     apply_bmc(api, ns, name="vm2", vm="vm2", redfish={"tls": {"secretRef": {"name": "user-tls"}}})
     controller = ControllerProcess(own_sim.kubeconfig, tmp_path / "controller.log", "--leader-elect", "false",
-                                   "--certificate-duration", "45s")  # renewed about 30 s after each issue
+                                   "--certificate-duration", "60s")  # renewed about 40 s after each issue
     seen: list[int] = []  # every verify failure a pinned client met
 
     def verified(host: str, pinned: bytes) -> x509.Certificate | None:
@@ -473,7 +473,7 @@ def test_a_client_that_pinned_ca_crt_keeps_verifying_across_a_load_balancer_and_
         assert get_bmc(api, ns)["status"]["clusterIP"] == cluster_ip
         wait_for(lambda: verified(cluster_ip, pinned), timeout=20, what="the ClusterIP still named and verified")
 
-        # The renewal (45 s leaf, renewed at 2/3): a new leaf, the same CA, the same pinned client.
+        # The renewal (60 s leaf, renewed at 2/3): a new leaf, the same CA, the same pinned client.
         shown = get_bmc(api, ns)["status"]["redfish"]["certificate"]
         assert shown["notAfter"] == f"{on_lb.not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}"
         renewed = wait_for(lambda: (cert := verified(external, pinned)) is not None
