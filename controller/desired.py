@@ -12,7 +12,7 @@ import hashlib
 import re
 from typing import Any
 
-from .certificates import TLSMaterial
+from .certificates import KeyPair, TLSMaterial
 from .settings import Settings
 from .spec import API_VERSION, KIND, BMCSpec
 
@@ -70,6 +70,11 @@ def label_value(name: str) -> str:
         return name
     tail = "-" + _short_hash(name)
     return re.sub(r"[^-A-Za-z0-9_.]+", "-", name)[:MAX_LABEL - len(tail)].rstrip("-_.") + tail
+
+
+def ca_secret_name(vm: str) -> str:
+    """The Secret with the BMC's CA and its key (never mounted into the agent): up to 253 characters."""
+    return f"{child_name(vm)}-ca"
 
 
 def selector(vm: str) -> dict[str, str]:
@@ -170,6 +175,14 @@ def desired_tls_secret(bmc: Obj, vm: str, material: TLSMaterial) -> Obj:
             "type": "kubernetes.io/tls",
             "data": {"tls.crt": b64(material.cert_pem), "tls.key": b64(material.key_pem),
                      "ca.crt": b64(material.ca_pem)}}
+
+
+def desired_ca_secret(bmc: Obj, vm: str, ca: KeyPair) -> Obj:
+    """The CA's Secret, in the `kubernetes.io/tls` layout a cert-manager CA Issuer reads: tls.crt is the CA."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(bmc, ca_secret_name(vm), vm),
+            "type": "kubernetes.io/tls",
+            "data": {"tls.crt": base64.b64encode(ca.cert_pem).decode(),
+                     "tls.key": base64.b64encode(ca.key_pem).decode()}}
 
 
 def checksum(secret: Obj | None, keys: tuple[str, ...] | None = None) -> str:

@@ -228,10 +228,12 @@ class Reconciler:
         finally:
             if created:
                 self.recorder.event(bmc, "Normal", "Created", "created " + ", ".join(created))
-        return self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
-                                                tls_problem=tls_problem, cluster_ip=_cluster_ip(service),
-                                                external=load_balancer_address(service),
-                                                deployment=deployment))
+        certificate = self._certificate(namespace, spec) if deployment is not None else {}
+        result = self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
+                                                  tls_problem=tls_problem, cluster_ip=_cluster_ip(service),
+                                                  external=load_balancer_address(service),
+                                                  deployment=deployment, certificate=certificate))
+        return self._until_renewal(result, certificate)
 
     def _apply_children(self, bmc: Obj, spec: BMCSpec, vm: Obj | None, secret: Obj | None,
                         problem: tuple[str, str] | None, created: list[str]) -> tuple[Obj, Obj | None]:
@@ -269,8 +271,8 @@ class Reconciler:
         """A message when a child's name is taken by an object another owner controls (e.g. a deleted
         VirtualMachineBMC's children not yet garbage-collected)."""
         namespace, uid = bmc["metadata"]["namespace"], bmc["metadata"]["uid"]
-        for kind in CHILD_KINDS:
-            name = desired.tls_secret_name(vm) if kind == "Secret" else desired.child_name(vm)
+        names = [(kind, desired.child_name(vm)) for kind in CHILD_KINDS if kind != "Secret"]
+        for kind, name in [*names, ("Secret", desired.tls_secret_name(vm)), ("Secret", desired.ca_secret_name(vm))]:
             owner = _controller_uid(self._cached(kind, namespace, name))
             if owner and owner != uid:
                 return f"{kind} {name} is controlled by another owner (uid {owner}); waiting for it to go"
@@ -314,17 +316,64 @@ class Reconciler:
         return result
 
     def _tls_secret(self, bmc: Obj, vm: str, service: Obj, created: list[str]) -> Obj:
+        """The agent's TLS Secret: the leaf is kept until its names change or it is due for renewal, and is
+        signed by the BMC's CA, which is kept for as long as it can sign (`certificates`)."""
         namespace = bmc["metadata"]["namespace"]
+        now, validity = self.clock(), datetime.timedelta(seconds=self.settings.certificate_duration)
+        have = self._cached("Secret", namespace, desired.tls_secret_name(vm))
+        ca = self._ca(bmc, vm, now, validity, _decode(have, "ca.crt"), created)
         names = certificates.service_names(desired.child_name(vm), namespace, _cluster_ip(service),
                                            load_balancer_address(service))
-        have = self._cached("Secret", namespace, desired.tls_secret_name(vm))
-        now = self.clock()
-        if have is not None and certificates.reusable(_decode(have, "tls.crt"), names, now):
-            material = certificates.TLSMaterial(_decode(have, "tls.crt"), _decode(have, "tls.key"),
-                                                _decode(have, "ca.crt"))
+        stored = None if have is None else certificates.TLSMaterial(
+            _decode(have, "tls.crt"), _decode(have, "tls.key"), _decode(have, "ca.crt"))
+        why = certificates.leaf_problem(stored, ca.cert_pem, names, now)
+        if why is None:
+            assert stored is not None
+            material = stored
         else:
-            material = certificates.issue(names, now)
+            log.info("issuing the certificate of %s/%s: %s", namespace, bmc["metadata"]["name"], why)
+            material = certificates.issue_leaf(ca, names, now, validity)
         return self._apply(bmc, desired.desired_tls_secret(bmc, vm, material), created)
+
+    def _ca(self, bmc: Obj, vm: str, now: datetime.datetime, leaf_validity: datetime.timedelta, served_ca: bytes,
+            created: list[str]) -> certificates.KeyPair:
+        """The BMC's CA from its Secret; a new one only when there is none or it can no longer sign a leaf. A
+        new CA while clients may have pinned another (`served_ca`, the TLS Secret's ca.crt: the CA Secret was
+        deleted, or a controller before this one made that leaf) is a Warning."""
+        namespace = bmc["metadata"]["namespace"]
+        have = self._cached("Secret", namespace, desired.ca_secret_name(vm))
+        ca = None if have is None else certificates.KeyPair(_decode(have, "tls.crt"), _decode(have, "tls.key"))
+        why = certificates.ca_problem(ca, now, leaf_validity)
+        if why is not None:
+            if have is not None or served_ca:
+                self.recorder.event(bmc, "Warning", "CARenewed", f"a new CA in Secret {desired.ca_secret_name(vm)}"
+                                    f" ({why}): clients that pinned the old ca.crt must pin the new one")
+            ca = certificates.issue_ca(f"kubevbmc CA {namespace}/{vm}", now)
+            self._apply(bmc, desired.desired_ca_secret(bmc, vm, ca), created)
+        assert ca is not None
+        return ca
+
+    def _certificate(self, namespace: str, spec: BMCSpec) -> Obj:
+        """`status.redfish.certificate` of the Secret the agent serves ({} without Redfish): a user's Secret is
+        only read."""
+        if not spec.redfish.enabled:
+            return {}
+        if spec.redfish.tls.secret_ref:
+            return certificates.certificate_status(
+                _decode(self.caches.secrets.get(namespace, spec.redfish.tls.secret_ref.name), "tls.crt"))
+        have = self._cached("Secret", namespace, desired.tls_secret_name(spec.virtual_machine_ref.name))
+        return certificates.certificate_status(_decode(have, "tls.crt"), _decode(have, "ca.crt"))
+
+    def _until_renewal(self, result: Result, certificate: Obj) -> Result:
+        """Requeue at the leaf's renewal when that comes before the next resync (which covers later ones, with
+        no queue entry kept for months per BMC). A second more: renewAfter is rounded down to the second."""
+        if "renewAfter" not in certificate:
+            return result
+        due = datetime.datetime.fromisoformat(certificate["renewAfter"])
+        wait = (due - self.clock()).total_seconds() + 1.0
+        if not 0 < wait <= self.settings.resync_seconds:
+            return result
+        return Result(requeue_after=min(wait, result.requeue_after) if result.requeue_after else wait)
 
     def _remove_agent(self, bmc: Obj, vm: str, why: str) -> None:
         namespace, name = bmc["metadata"]["namespace"], desired.child_name(vm)

@@ -25,6 +25,7 @@ class Settings:
     namespace: str = ""  # "" watches every namespace
     workers: int = 8
     resync_seconds: float = 300.0
+    certificate_duration: float = 365 * 86400.0  # the generated serving certificates' life, in seconds
     field_manager: str = FIELD_MANAGER
     metrics_address: str = "127.0.0.1:8080"
     leader_elect: bool = True
@@ -57,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=env("KUBEVBMC_WORKERS", "8"))  # argparse converts it
     parser.add_argument("--resync", type=float, default=env("KUBEVBMC_RESYNC_SECONDS", "300"),
                         metavar="SECONDS", help="reconcile every BMC at least this often (default %(default)s)")
+    parser.add_argument("--certificate-duration", type=duration,
+                        default=env("KUBEVBMC_CERTIFICATE_DURATION", "365d"), metavar="DURATION",
+                        help="life of the generated Redfish certificates, renewed at 2/3 of it: seconds, or with "
+                             "s, m, h or d (default %(default)s; from 30s to 1825d)")
     parser.add_argument("--metrics-address", default=env("KUBEVBMC_METRICS_ADDRESS", "127.0.0.1:8080"),
                         metavar="HOST:PORT", help="/metrics, /healthz and /readyz (port 0: a free one)")
     parser.add_argument("--leader-elect", default=env("KUBEVBMC_LEADER_ELECT", "true"),
@@ -78,11 +83,28 @@ def secret_names(text: str) -> tuple[str, ...]:
     return names
 
 
+DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd]?)")
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+    """A duration in seconds from `90d`, `2160h`, `45m`, `30s` or `30`, from 30 seconds to 1825 days (half the
+    CA's ten years)."""
+    found = DURATION.fullmatch(text.strip())
+    if not found:
+        raise argparse.ArgumentTypeError(f"not a duration (a number with s, m, h or d): {text!r}")
+    seconds = float(found.group(1)) * _UNIT[found.group(2)]
+    if not 30 <= seconds <= 1825 * 86400:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: from 30s to 1825d")
+    return seconds
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(agent_image=args.agent_image, agent_image_pull_policy=args.agent_image_pull_policy,
                     agent_image_pull_secrets=args.agent_image_pull_secrets,
                     agent_log_level=args.agent_log_level,
                     default_service_type=args.default_service_type, namespace=args.namespace,
-                    workers=max(1, args.workers), resync_seconds=args.resync, metrics_address=args.metrics_address,
+                    workers=max(1, args.workers), resync_seconds=args.resync,
+                    certificate_duration=args.certificate_duration, metrics_address=args.metrics_address,
                     leader_elect=args.leader_elect == "true", lease_name=args.lease_name,
                     lease_namespace=args.lease_namespace)

@@ -12,7 +12,7 @@ from .spec import BMCSpec
 Obj = dict[str, Any]
 READY, VM_AVAILABLE, SECRET_AVAILABLE, AGENT_READY = "Ready", "VirtualMachineAvailable", "SecretAvailable", "AgentReady"
 CONDITION_ORDER = (READY, VM_AVAILABLE, SECRET_AVAILABLE, AGENT_READY)
-OWNED_KEYS = ("observedGeneration", "clusterIP", "endpoints", "conditions")  # bootOverride is the agent's
+OWNED_KEYS = ("observedGeneration", "clusterIP", "endpoints", "conditions", "redfish")  # bootOverride: the agent's
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class Observed:
     deployment: Obj | None = None
     blocked_by: str = ""  # a child of that name exists and is controlled by someone else
     rejected: str = ""  # the API server refused a child: which, and the API's reason and message
+    certificate: Obj | None = None  # the served certificate's expiry (certificates.certificate_status)
 
 
 # Reasons for Ready=False while the agent rolls out normally (no Event: not a problem).
@@ -141,7 +142,18 @@ def desired_status(bmc: Obj, observed: Observed, now: str) -> Obj:
     if observed.cluster_ip and not observed.conflict_with:
         out["clusterIP"] = observed.cluster_ip
         out["endpoints"] = endpoints(spec, observed.external or observed.cluster_ip, vm)
+    if observed.certificate and not observed.conflict_with:
+        out["redfish"] = {"certificate": observed.certificate}
     return out
+
+
+def merge_diff(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386) that takes `old` to `new`: keys `new` lacks are nulled."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    diff = {k: merge_diff(old.get(k), v) for k, v in new.items() if old.get(k) != v}
+    diff.update({k: None for k in old if k not in new})
+    return diff
 
 
 def status_patch(current: Obj | None, desired: Obj) -> Obj | None:
@@ -158,6 +170,9 @@ def status_patch(current: Obj | None, desired: Obj) -> Obj | None:
             diff.update({k: None for k in old if k not in desired[key]})
             if diff or key not in current:
                 patch[key] = diff if key in current else desired[key]
+        elif key == "redfish":  # nested: a key dropped inside (renewAfter) must be nulled
+            if current.get(key) != desired[key]:
+                patch[key] = merge_diff(current.get(key), desired[key])
         elif current.get(key) != desired[key]:
             patch[key] = desired[key]
     return patch or None

@@ -285,19 +285,6 @@ def test_an_annotation_we_no_longer_set_is_a_difference() -> None:
     assert stale_owned_keys({"metadata": {"annotations": {"a": "1", "b": "2"}}}, have, "m") is None
 
 
-def test_certificates_are_reused_until_names_change_or_expiry_nears() -> None:
-    names = certificates.service_names("vm-virtbmc", "ns", "10.0.0.1")
-    assert "vm-virtbmc.ns.svc.cluster.local" in names and "10.0.0.1" in names
-    tls = certificates.issue(names, NOW)
-    assert certificates.reusable(tls.cert_pem, names, NOW)
-    assert not certificates.reusable(tls.cert_pem, certificates.service_names("vm-virtbmc", "ns", "10.0.0.2"), NOW)
-    assert not certificates.reusable(tls.cert_pem, names, NOW + datetime.timedelta(days=340))
-    with_lb = certificates.service_names("vm-virtbmc", "ns", "10.0.0.1", "192.0.2.50")
-    assert with_lb == [*names, "192.0.2.50"]
-    assert not certificates.reusable(tls.cert_pem, with_lb, NOW)  # a new LoadBalancer address: a new certificate
-    assert not certificates.reusable(b"garbage", names, NOW)
-
-
 def test_work_queue_deduplicates_and_never_hands_a_key_to_two_workers() -> None:
     q = WorkQueue()
     q.add("k")
