@@ -13,7 +13,9 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +33,7 @@ from vbmc.watchcache import STALE_AFTER, same_state
 
 from .agents import PASSWORD, USER, AgentProcess
 from .conftest import BMC_CRD, Sim, call, start_sim, wait_for
-from .vms import make_bmc, make_vm
+from .vms import make_bmc, make_vm, running_vmi_uid
 
 FREEZE_DEADLINE = 3 * STALE_AFTER  # generous: the bound is STALE_AFTER, the machine is shared and noisy
 THAW_DEADLINE = 15.0
@@ -44,11 +46,13 @@ class HttpReply:
     body: Any
 
 
-def get(agent: AgentProcess, path: str) -> HttpReply:
+def get(agent: AgentProcess, path: str, body: Any = None) -> HttpReply:
+    """GET `path`, or POST `body` to it, with the BMC's credentials."""
     request = urllib.request.Request(f"{agent.url}{path}", headers={
-        "Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()})
+        "Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode(),
+        "Content-Type": "application/json"}, data=None if body is None else json.dumps(body).encode())
     try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
+        with urllib.request.urlopen(request, timeout=10) as resp:
             status, headers, raw = resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as exc:
         status, headers, raw = exc.code, dict(exc.headers), exc.read()
@@ -81,22 +85,106 @@ def slow_bookmark_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]
 
 
 @pytest.fixture
-def agent(slow_bookmark_sim: Sim) -> Iterator[AgentProcess]:
+def namespace(slow_bookmark_sim: Sim) -> Iterator[str]:
+    """A namespace with a VM (runStrategy Halted) and its VirtualMachineBMC."""
     api = slow_bookmark_sim.api()
-    namespace = f"t-{uuid.uuid4().hex[:8]}"
-    client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
-    make_vm(api, namespace)
-    make_bmc(api, namespace)
-    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm",
-                           env={"KUBECONFIG": slow_bookmark_sim.kubeconfig})
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    make_vm(api, name)
+    make_bmc(api, name)
+    yield name
+    with contextlib.suppress(client.ApiException):
+        client.CoreV1Api(api).delete_namespace(name)
+
+
+@contextlib.contextmanager
+def agent_for(namespace: str, kubeconfig: str) -> Iterator[AgentProcess]:
+    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": kubeconfig})
     try:
         wait_for(process.ready, timeout=20, what="the agent to be ready")
         yield process
     finally:
-        os.kill(slow_bookmark_sim.process.pid, signal.SIGCONT)
         process.stop()
-        with contextlib.suppress(client.ApiException):
-            client.CoreV1Api(api).delete_namespace(namespace)
+
+
+@pytest.fixture
+def agent(slow_bookmark_sim: Sim, namespace: str) -> Iterator[AgentProcess]:
+    try:
+        with agent_for(namespace, slow_bookmark_sim.kubeconfig) as process:
+            yield process
+    finally:
+        os.kill(slow_bookmark_sim.process.pid, signal.SIGCONT)
+
+
+class StallingRelay:
+    """A TCP relay to the API server whose open connections can be made to go silent: kept open, every byte
+    swallowed, like a connection a NAT or load balancer forgot without a reset. New connections get through."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self._lock = threading.Lock()
+        self._connections: list[tuple[socket.socket, socket.socket, threading.Event]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self.listener.accept()
+                upstream = socket.create_connection(self.target, timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                return
+            stalled = threading.Event()
+            with self._lock:
+                self._connections.append((downstream, upstream, stalled))
+            for src, dst in ((downstream, upstream), (upstream, downstream)):
+                threading.Thread(target=self._pump, args=(src, dst, stalled), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, stalled: threading.Event) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if not stalled.is_set():
+                    dst.sendall(data)
+            except OSError:
+                break
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def stall_open_connections(self) -> int:
+        with self._lock:
+            for _, _, stalled in self._connections:
+                stalled.set()
+            return len(self._connections)
+
+    def close(self) -> None:
+        self.listener.close()
+        with self._lock:
+            for downstream, upstream, _ in self._connections:
+                for sock in (downstream, upstream):
+                    sock.close()
+
+
+@pytest.fixture
+def relayed_kubeconfig(slow_bookmark_sim: Sim, tmp_path: Path) -> Iterator[tuple[StallingRelay, str]]:
+    """A kubeconfig for the module's kubesim that leads through a StallingRelay (TLS is end to end)."""
+    config = yaml.safe_load(Path(slow_bookmark_sim.kubeconfig).read_text())
+    server = config["clusters"][0]["cluster"]["server"]
+    host, port = server.removeprefix("https://").rsplit(":", 1)
+    relay = StallingRelay((host, int(port)))
+    config["clusters"][0]["cluster"]["server"] = f"https://{host}:{relay.port}"
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    try:
+        yield relay, str(path)
+    finally:
+        relay.close()
 
 
 @contextlib.contextmanager
@@ -149,6 +237,13 @@ def test_a_frozen_api_server_makes_reads_busy_and_a_thawed_one_serves_them_again
     assert get(agent, system).body["PowerState"] == "Off"
 
     with frozen(slow_bookmark_sim):
+        # A write goes to the API server at once (the cache is still fresh) and keeps its own bound.
+        started = time.monotonic()
+        write = get(agent, f"{system}/Actions/ComputerSystem.Reset", {"ResetType": "On"})
+        write_took = time.monotonic() - started
+        assert write.status == 503 and "retry-after" in write.headers, write.body
+        assert write_took < 5, f"a write took {write_took:.1f} s against a frozen API server"
+
         stale = first_times({
             "Redfish 503": lambda: get(agent, system).status == 503,
             "IPMI 0xC0": lambda: "rsp=0xc0" in chassis_status(agent).stderr,
@@ -171,4 +266,30 @@ def test_a_frozen_api_server_makes_reads_busy_and_a_thawed_one_serves_them_again
         "IPMI power status": lambda: "Chassis Power is off" in agent.ipmitool("power", "status").stdout,
     }, THAW_DEADLINE)
     assert get(agent, system).body["PowerState"] == "Off"
-    print(f"\nfreeze -> first stale answer: {stale}; thaw -> first good answer: {back}")
+    print(f"\nwrite while frozen answered 503 after {write_took:.2f} s; freeze -> first stale answer: {stale}; "
+          f"thaw -> first good answer: {back}")
+
+
+# ---- a watch that went silent while the API server did not
+
+
+def test_a_watch_that_went_silent_is_restarted_and_the_change_it_missed_is_served(
+        slow_bookmark_sim: Sim, namespace: str, relayed_kubeconfig: tuple[StallingRelay, str]) -> None:
+    relay, kubeconfig = relayed_kubeconfig
+    api = slow_bookmark_sim.api()
+    system = "/redfish/v1/Systems/vm"
+    with agent_for(namespace, kubeconfig) as agent:
+        assert get(agent, system).body["PowerState"] == "Off"
+        assert relay.stall_open_connections() > 0  # the agent's watches among them
+
+        # Started behind the agent's back: its watches never tell it, only its probes can.
+        reply = call(api, "PUT", f"/apis/subresources.kubevirt.io/v1/namespaces/{namespace}/virtualmachines/vm/start",
+                     {})
+        assert reply.status in (200, 202), reply.body
+        wait_for(lambda: running_vmi_uid(api, namespace), timeout=20, what="the VM to run")
+
+        seen = first_times({"Redfish PowerState On": lambda: (get(agent, system).body or {}).get("PowerState") == "On",
+                            "IPMI power on": lambda: "Chassis Power is on" in agent.ipmitool("power", "status").stdout},
+                           FREEZE_DEADLINE)
+        assert "has fallen behind the API server" in agent.output()
+        print(f"\nwatch stalled -> the change it missed served: {seen}")

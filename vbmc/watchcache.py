@@ -72,6 +72,7 @@ class ObjectWatch:
         self._heard = -math.inf  # time.monotonic() of the last word from the API server that the cache matched
         self._response: Any = None  # the open watch response, for a restart from the prober
         self._restart = False
+        self._probe_failing = False
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._wake = threading.Event()  # ends a backoff early: a probe found the API server answering again
@@ -245,8 +246,15 @@ class ObjectWatch:
                 query={"fieldSelector": f"metadata.name={self.name}", "resourceVersion": "0"})
             items = listing.get("items") or []
         except (Unreachable, KubeError, ValueError, AttributeError) as exc:
-            log.debug("watch %s/%s: probe failed: %s", self.collection, self.name, exc)
+            if not self._probe_failing:
+                log.warning("watch %s/%s: the API server did not answer a probe after %.0f s of silence (%s); the "
+                            "cache is served for %.0f s more at most", self.collection, self.name,
+                            sent - self._heard, exc, max(0.0, self.stale_after - (sent - self._heard)))
+            self._probe_failing = True
             return False
+        if self._probe_failing:
+            log.info("watch %s/%s: the API server answers again", self.collection, self.name)
+            self._probe_failing = False
         listed = items[0] if items else None
         if not self._connected:
             self._wake.set()  # the watch is backing off from an error: try again now
