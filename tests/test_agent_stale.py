@@ -3,7 +3,9 @@
 kubesim runs as its own process with a kube-apiserver's bookmark interval (60 s), an agent process watches a VM
 in it, and the test freezes kubesim with SIGSTOP: its sockets stay open and nothing answers, like an API server
 that hangs. Within the staleness bound the agent's reads turn into IPMI 0xC0 (node busy) and Redfish 503 with
-Retry-After; after SIGCONT they answer the VM's state again. Real clients throughout: ipmitool and HTTP.
+Retry-After; after SIGCONT they answer the VM's state again. A second agent reaches kubesim through a relay that
+makes its open connections go silent (a watch dropped without a reset while the API server is fine): its probes
+notice that the watch fell behind and restart it. Real clients throughout: ipmitool and HTTP.
 """
 
 from __future__ import annotations
@@ -231,7 +233,7 @@ def test_a_probe_confirms_the_cache_only_when_it_shows_the_same_object(cached: A
 
 
 def test_a_frozen_api_server_makes_reads_busy_and_a_thawed_one_serves_them_again(
-        agent: AgentProcess, slow_bookmark_sim: Sim, tmp_path: Path) -> None:
+        agent: AgentProcess, slow_bookmark_sim: Sim) -> None:
     system = "/redfish/v1/Systems/vm"
     assert "Chassis Power is off" in agent.ipmitool("power", "status").stdout
     assert get(agent, system).body["PowerState"] == "Off"
@@ -257,7 +259,7 @@ def test_a_frozen_api_server_makes_reads_busy_and_a_thawed_one_serves_them_again
         status = agent.ipmitool("power", "status")
         assert status.returncode != 0 and "Chassis Power is" not in status.stdout
         # What does not depend on the VM still answers, and the agent stays ready: the endpoint keeps serving
-        # busy answers instead of vanishing from its Service (docs/reference.md, "Agent").
+        # busy answers instead of vanishing from its Service (docs/reference.md, "The agent").
         assert get(agent, "/redfish/v1").status == 200
         assert agent.ready()
 
