@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 PROBE_AFTER = 4.0  # seconds of watch silence before the agent asks the API server itself
-PROBE_TIMEOUT = 2.0  # a probe not answered by then failed (a write's whole budget is 1.5 s; a read's is none)
+PROBE_TIMEOUT = 2.0  # a probe not answered by then has failed; no read ever waits for a probe
 PROBE_RETRY = 0.5  # after a failed probe: so that service resumes within a second of the API server answering
 CATCH_UP = 1.0  # how long the watch may take to deliver what a probe saw before it counts as fallen behind
 STALE_AFTER = 10.0  # seconds without word from the API server after which the cache is not served
