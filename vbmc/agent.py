@@ -120,7 +120,10 @@ class Agent:
         from .kube import KubeClient, load_credentials
         from .kubevirt import KubeVirtMachine
 
-        machine = KubeVirtMachine(KubeClient(load_credentials(c.kubeconfig or None)), c.namespace, c.vm, c.vmbmc)
+        # Connections at once: three watch streams, their three probes (vbmc/watchcache.py) and a write. A smaller
+        # pool would open a new TLS connection for a probe and throw it away afterwards, every few seconds.
+        client = KubeClient(load_credentials(c.kubeconfig or None), maxsize=8)
+        machine = KubeVirtMachine(client, c.namespace, c.vm, c.vmbmc)
         machine.start()
         if not machine.wait_ready(10):
             log.warning("agent: the API server has not answered yet; serving and retrying")

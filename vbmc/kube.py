@@ -13,7 +13,7 @@ import json
 import os
 import ssl
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -154,14 +154,18 @@ class KubeClient:
                             str(status.get("message") or payload or resp.reason), payload)
         return payload
 
-    def stream(self, path: str, query: dict[str, str], read_timeout: float) -> Iterator[Obj]:
-        """The events of one watch request, until the server ends it. Raises Unreachable/KubeError."""
+    def stream(self, path: str, query: dict[str, str], read_timeout: float,
+               opened: Callable[[urllib3.BaseHTTPResponse], None] | None = None) -> Iterator[Obj]:
+        """The events of one watch request, until the server ends it. Raises Unreachable/KubeError.
+        `opened` gets the response, whose `shutdown()` ends a read blocked in another thread."""
         try:
             resp = self._pool.request("GET", self._url(path, {**query, "watch": "true"}),
                                       headers=self._headers, preload_content=False,
                                       timeout=urllib3.Timeout(connect=self.timeout, read=read_timeout))
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise Unreachable(f"watch {path}: {exc}") from exc
+        if opened is not None:
+            opened(resp)
         try:
             if resp.status >= 400:
                 body = resp.read()

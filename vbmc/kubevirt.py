@@ -47,6 +47,7 @@ JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
 NO_CDROM = "the VM has no cdrom disk: add an empty cdrom disk to its template to use virtual media"
 SETTLE = 0.3  # seconds a write waits for the watch cache to show it (normally milliseconds)
+STALE_RETRY_AFTER = 2  # Retry-After for a read refused from a stale cache: it serves again within a second of an answer
 
 SUPPORTED_RESETS = (ResetType.ON, ResetType.FORCE_ON, ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN,
                     ResetType.GRACEFUL_RESTART, ResetType.FORCE_RESTART, ResetType.POWER_CYCLE,
@@ -98,8 +99,13 @@ class KubeVirtMachine(Machine):
     # ---- reads (watch caches only)
 
     def _vm(self) -> Obj:
-        if not self.vm_watch.fresh:
-            raise BackendUnavailable("the Kubernetes API server is unreachable")
+        """The VM from the cache, when the caches of the VM, the VMI and the VirtualMachineBMC can be trusted (every
+        read starts here). A cache the API server has not confirmed for STALE_AFTER seconds is not answered from:
+        the client gets busy / 503 and retries, rather than a power state that may be minutes old."""
+        for watch in self._watches:
+            if not watch.fresh:
+                raise BackendUnavailable(watch.staleness() or "the Kubernetes API server is unreachable",
+                                         retry_after=STALE_RETRY_AFTER)
         vm = self.vm_watch.obj
         if vm is None:
             raise BackendUnavailable(f"VirtualMachine {self.namespace}/{self.name} does not exist", retry_after=10)
