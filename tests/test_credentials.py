@@ -1,0 +1,301 @@
+"""Credentials that rotate: the agent's client re-reads its ServiceAccount token and CA bundle as a cluster
+rewrites them (client-go's cachingTokenSource: every minute, and at once on a 401), and keeps working.
+
+The first part drives vbmc.kube.KubeClient against a tiny local HTTPS API server with a fake clock; the second
+rotates real tokens in kubesim (its kubelet rewrites the pod's token file and the API server rejects the old one
+after a grace period) under an agent process that kubesim's kubelet started, reached with ipmitool and Redfish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kubesim.certs import ServingCert, serving_cert
+from vbmc.kube import REFRESH_SECONDS, Credentials, KubeClient, KubeError, Unreachable, load_credentials
+
+# ---- a tiny API server: accepts the tokens in `valid`, records every token it was sent
+
+
+@dataclass
+class FakeApiServer:
+    certs: ServingCert
+    valid: set[str] = field(default_factory=set)
+    seen: list[str] = field(default_factory=list)
+    server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"https://127.0.0.1:{self.server.server_address[1]}"
+
+    def serve_with(self, certs: ServingCert, tmp: Path) -> None:
+        """New connections from now on get a certificate signed by another CA."""
+        (tmp / "server.crt").write_bytes(certs.cert_pem)
+        (tmp / "server.key").write_bytes(certs.key_pem)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(tmp / "server.crt", tmp / "server.key")
+        self.context = context
+
+    def start(self, tmp: Path) -> None:
+        self.serve_with(self.certs, tmp)
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"  # one request per connection: every request makes a TLS handshake
+
+            def do_GET(self) -> None:
+                header = self.headers.get("Authorization", "")
+                token = header.removeprefix("Bearer ")
+                api.seen.append(token)
+                if token not in api.valid:
+                    self._answer(401, {"kind": "Status", "reason": "Unauthorized", "message": "Unauthorized",
+                                       "code": 401})
+                elif "watch=true" in self.path:
+                    self._answer(200, {"type": "ADDED", "object": {"metadata": {"name": "vm"}}})
+                else:
+                    self._answer(200, {"kind": "VirtualMachine", "metadata": {"name": "vm"}})
+
+            def _answer(self, code: int, body: Any) -> None:
+                data = json.dumps(body).encode() + b"\n"
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def get_request(self) -> tuple[Any, Any]:
+                sock, addr = super().get_request()
+                return api.context.wrap_socket(sock, server_side=True), addr
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def ca_one() -> ServingCert:
+    return serving_cert(["127.0.0.1"])
+
+
+@pytest.fixture
+def apiserver(ca_one: ServingCert, tmp_path: Path) -> Iterator[FakeApiServer]:
+    api = FakeApiServer(ca_one, valid={"token-a"})
+    api.start(tmp_path)
+    yield api
+    assert api.server is not None
+    api.server.shutdown()
+    api.server.server_close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Files:
+    token: Path
+    ca: Path
+
+
+@pytest.fixture
+def files(apiserver: FakeApiServer, tmp_path: Path) -> Files:
+    token, ca = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("token-a\n")
+    ca.write_bytes(apiserver.certs.ca_pem)
+    return Files(token, ca)
+
+
+def client_for(api: FakeApiServer, files: Files, clock: Clock) -> KubeClient:
+    creds = Credentials(api.url, token=files.token.read_text().strip(), token_file=str(files.token),
+                        ca_file=str(files.ca))
+    return KubeClient(creds, timeout=5, clock=clock)
+
+
+def rotate(files: Files, api: FakeApiServer, new: str, *, revoke_old: bool) -> None:
+    tmp = files.token.with_name("token.tmp")
+    tmp.write_text(new)
+    os.replace(tmp, files.token)  # atomically, as the kubelet swaps its ..data symlink
+    api.valid.add(new)
+    if revoke_old:
+        api.valid.discard("token-a")
+
+
+VM_PATH = "/apis/kubevirt.io/v1/namespaces/ns/virtualmachines/vm"
+
+
+# ---- the token file
+
+
+def test_a_token_file_is_read_again_once_a_minute_not_per_request(apiserver: FakeApiServer, files: Files) -> None:
+    clock = Clock()
+    client = client_for(apiserver, files, clock)
+    rotate(files, apiserver, "token-b", revoke_old=False)
+
+    clock.now += REFRESH_SECONDS / 2
+    client.request("GET", VM_PATH)
+    assert apiserver.seen[-1] == "token-a"  # the old token is still valid: no reason to read the file yet
+
+    clock.now += REFRESH_SECONDS / 2
+    client.request("GET", VM_PATH)
+    assert apiserver.seen[-1] == "token-b"
+    assert apiserver.seen == ["token-a", "token-b"]
+
+
+def test_a_rejected_token_is_read_again_at_once_and_the_request_retried(apiserver: FakeApiServer,
+                                                                        files: Files) -> None:
+    clock = Clock()
+    client = client_for(apiserver, files, clock)
+    client.request("GET", VM_PATH)
+    rotate(files, apiserver, "token-b", revoke_old=True)
+
+    answer = client.request("GET", VM_PATH)  # no time has passed: only the 401 makes it read the file
+
+    assert answer["metadata"]["name"] == "vm"
+    assert apiserver.seen == ["token-a", "token-a", "token-b"]
+    client.request("GET", VM_PATH)
+    assert apiserver.seen[-1] == "token-b"
+
+
+def test_a_rejected_token_that_did_not_change_is_not_retried(apiserver: FakeApiServer, files: Files) -> None:
+    client = client_for(apiserver, files, Clock())
+    apiserver.valid.clear()
+
+    with pytest.raises(KubeError) as caught:
+        client.request("GET", VM_PATH)
+
+    assert caught.value.status == 401
+    assert apiserver.seen == ["token-a"]
+
+
+def test_a_static_kubeconfig_token_stays_as_it_is(apiserver: FakeApiServer, files: Files, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "current-context": "c", "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "clusters": [{"name": "c", "cluster": {"server": apiserver.url, "certificate-authority": "ca.crt"}}],
+        "users": [{"name": "u", "user": {"token": "token-a"}}]}))
+    clock = Clock()
+    client = KubeClient(load_credentials(str(kubeconfig)), clock=clock)
+    client.request("GET", VM_PATH)
+    rotate(files, apiserver, "token-b", revoke_old=True)  # a token file nobody named
+
+    clock.now += 10 * REFRESH_SECONDS
+    with pytest.raises(KubeError) as caught:
+        client.request("GET", VM_PATH)
+
+    assert caught.value.status == 401
+    assert apiserver.seen == ["token-a", "token-a"]
+
+
+def test_a_kubeconfig_token_file_is_relative_to_the_kubeconfig_and_read_again(
+        apiserver: FakeApiServer, files: Files, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "current-context": "c", "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "clusters": [{"name": "c", "cluster": {"server": apiserver.url, "certificate-authority": "ca.crt"}}],
+        "users": [{"name": "u", "user": {"tokenFile": "token"}}]}))
+    creds = load_credentials(str(kubeconfig))
+    assert (creds.token, creds.token_file) == ("token-a", str(files.token))
+    client = KubeClient(creds, clock=Clock())
+    rotate(files, apiserver, "token-b", revoke_old=True)
+
+    client.request("GET", VM_PATH)
+
+    assert apiserver.seen == ["token-a", "token-b"]
+
+
+def test_a_missing_token_file_at_start_is_a_clear_error(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "current-context": "c", "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"tokenFile": "absent"}}]}))
+
+    with pytest.raises(Unreachable, match=f"token file {tmp_path / 'absent'}: No such file"):
+        load_credentials(str(kubeconfig))
+
+
+def test_a_token_file_that_is_gone_or_empty_keeps_the_token_read_before(apiserver: FakeApiServer,
+                                                                         files: Files) -> None:
+    clock = Clock()
+    client = client_for(apiserver, files, clock)
+    files.token.write_text("")
+    clock.now += REFRESH_SECONDS
+    client.request("GET", VM_PATH)
+    files.token.unlink()
+    clock.now += REFRESH_SECONDS
+    client.request("GET", VM_PATH)
+
+    assert apiserver.seen == ["token-a", "token-a"]
+
+
+def test_a_watch_reconnect_uses_the_rotated_token(apiserver: FakeApiServer, files: Files) -> None:
+    client = client_for(apiserver, files, Clock())
+    assert [e["type"] for e in client.stream(VM_PATH, {}, read_timeout=5)] == ["ADDED"]
+    rotate(files, apiserver, "token-b", revoke_old=True)
+
+    events = list(client.stream(VM_PATH, {}, read_timeout=5))
+
+    assert [e["type"] for e in events] == ["ADDED"]
+    assert apiserver.seen == ["token-a", "token-a", "token-b"]
+
+
+def test_a_watch_rejected_with_an_unchanged_token_raises_401(apiserver: FakeApiServer, files: Files) -> None:
+    client = client_for(apiserver, files, Clock())
+    apiserver.valid.clear()
+
+    with pytest.raises(KubeError) as caught:
+        list(client.stream(VM_PATH, {}, read_timeout=5))
+
+    assert caught.value.status == 401
+    assert apiserver.seen == ["token-a"]
+
+
+# ---- the CA file
+
+
+def test_a_changed_ca_file_is_trusted_for_new_connections(apiserver: FakeApiServer, files: Files,
+                                                          tmp_path: Path) -> None:
+    clock = Clock()
+    client = client_for(apiserver, files, clock)
+    client.request("GET", VM_PATH)
+    ca_two = serving_cert(["127.0.0.1"])
+    apiserver.serve_with(ca_two, tmp_path)  # the API server's certificate now comes from another CA
+    with pytest.raises(Unreachable, match="CERTIFICATE_VERIFY_FAILED"):
+        client.request("GET", VM_PATH)
+
+    files.ca.write_bytes(ca_two.ca_pem)
+    clock.now += REFRESH_SECONDS
+    answer = client.request("GET", VM_PATH)
+
+    assert answer["metadata"]["name"] == "vm"
+
+
+def test_a_ca_file_that_does_not_load_keeps_the_ca_read_before(apiserver: FakeApiServer, files: Files) -> None:
+    clock = Clock()
+    client = client_for(apiserver, files, clock)
+    files.ca.write_text("-----BEGIN CERTIFICATE-----\nnot a certificate\n-----END CERTIFICATE-----\n")
+    clock.now += REFRESH_SECONDS
+
+    answer = client.request("GET", VM_PATH)
+
+    assert answer["metadata"]["name"] == "vm"
