@@ -8,10 +8,18 @@ after a grace period) under an agent process that kubesim's kubelet started, rea
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import socket
 import ssl
+import subprocess
+import sys
 import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,9 +28,15 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes import client, config
 
 from kubesim.certs import ServingCert, serving_cert
+from kubesim.cluster import Cluster, SimConfig
 from vbmc.kube import REFRESH_SECONDS, Credentials, KubeClient, KubeError, Unreachable, load_credentials
+
+from .agents import PASSWORD, USER, free_port
+from .conftest import BMC_CRD, address_ranges, call, wait_for
+from .vms import get_vm, make_bmc, make_vm, running_vmi_uid
 
 # ---- a tiny API server: accepts the tokens in `valid`, records every token it was sent
 
@@ -299,3 +313,146 @@ def test_a_ca_file_that_does_not_load_keeps_the_ca_read_before(apiserver: FakeAp
     answer = client.request("GET", VM_PATH)
 
     assert answer["metadata"]["name"] == "vm"
+
+
+# ---- kubesim: tokens that rotate under a running agent
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A kubesim in this process, so that a test can rotate a pod's token as the kubelet would."""
+    flags = address_ranges()
+    ranges = dict(zip(flags[::2], flags[1::2], strict=True))
+    sim = Cluster(SimConfig(port=0, vm_start_delay=0.3, vm_stop_delay=0.5, import_delay=0.3,
+                            bookmark_interval=0.5, local_entrypoint=[sys.executable, "-m", "vbmc"],
+                            pod_cidr=ranges["--pod-cidr"], service_cidr=ranges["--service-cidr"],
+                            load_balancer_cidr=ranges["--load-balancer-cidr"]))
+    sim.start()
+    yield sim
+    sim.stop()
+
+
+@pytest.fixture(scope="module")
+def sim_api(cluster: Cluster) -> client.ApiClient:
+    api = config.new_client_from_config(config_file=cluster.kubeconfig)
+    reply = call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+                 yaml.safe_load(BMC_CRD.read_text()))
+    assert reply.status == 201, reply.body
+    wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")
+    return api
+
+
+@dataclass
+class PodAgent:
+    """An agent that kubesim's kubelet runs as a pod (its credentials are the pod's service account)."""
+
+    namespace: str
+    pod: str
+    ip: str
+    ipmi_port: int
+    http_port: int
+
+    def ipmitool(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ipmitool", "-I", "lanplus", "-C", "17", "-H", self.ip, "-p", str(self.ipmi_port),
+                               "-U", USER, "-P", PASSWORD, "-R", "2", "-N", "1", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    def redfish(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"http://{self.ip}:{self.http_port}{path}", data=data, method=method, headers={
+            "Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode(),
+            "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                raw = resp.read()
+                return resp.status, json.loads(raw) if raw else None
+        except urllib.error.HTTPError as exc:
+            return exc.code, None
+
+
+def agent_pod(ipmi_port: int, http_port: int) -> dict[str, Any]:
+    def field_ref(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "agent"}, "spec": {"containers": [{
+        "name": "agent", "image": "kubevbmc:latest",
+        "args": ["agent", "--namespace", "$(POD_NAMESPACE)", "--vm", "vm", "--vmbmc", "vm",
+                 "--ipmi-address", f"$(POD_IP):{ipmi_port}", "--redfish-address", f"$(POD_IP):{http_port}"],
+        "env": [field_ref("POD_IP", "status.podIP"), field_ref("POD_NAMESPACE", "metadata.namespace"),
+                {"name": "VBMC_USERNAME", "value": USER}, {"name": "VBMC_PASSWORD", "value": PASSWORD}],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": http_port}, "periodSeconds": 1}}]}}
+
+
+def pod_status(api: client.ApiClient, ns: str, name: str) -> dict[str, Any]:
+    return call(api, "GET", f"/api/v1/namespaces/{ns}/pods/{name}").body.get("status") or {}
+
+
+def pod_ready(api: client.ApiClient, ns: str, name: str) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod_status(api, ns, name).get("conditions")
+               or [])
+
+
+@pytest.fixture
+def pod_agent(sim_api: client.ApiClient) -> Iterator[PodAgent]:
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    assert call(sim_api, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}}).status == 201
+    make_vm(sim_api, ns)
+    make_bmc(sim_api, ns)
+    ipmi_port, http_port = free_port(socket.SOCK_DGRAM), free_port()
+    reply = call(sim_api, "POST", f"/api/v1/namespaces/{ns}/pods", agent_pod(ipmi_port, http_port))
+    assert reply.status == 201, reply.body
+    wait_for(lambda: pod_ready(sim_api, ns, "agent"), timeout=30, what="the agent pod to be ready")
+    yield PodAgent(ns, "agent", pod_status(sim_api, ns, "agent")["podIP"], ipmi_port, http_port)
+    call(sim_api, "DELETE", f"/api/v1/namespaces/{ns}")
+
+
+def authenticates(api: client.ApiClient, token: str) -> bool:
+    return call(api, "GET", "/api/v1/namespaces/default", token=token).status != 401
+
+
+def test_the_agent_keeps_working_after_its_token_rotates_and_the_old_one_is_rejected(
+        cluster: Cluster, sim_api: client.ApiClient, pod_agent: PodAgent) -> None:
+    ns = pod_agent.namespace
+    assert "Chassis Power is off" in pod_agent.ipmitool("power", "status").stdout
+    started = pod_status(sim_api, ns, "agent")["containerStatuses"][0]
+
+    rotated_at = time.monotonic()
+    old, new = cluster.rotate_service_account_token(ns, "agent", grace=1.0)
+    wait_for(lambda: not authenticates(sim_api, old), timeout=10, what="the old token to be rejected")
+    rejected_at = time.monotonic()
+
+    on = pod_agent.ipmitool("power", "on")
+    assert on.returncode == 0, on.stderr
+    wait_for(lambda: running_vmi_uid(sim_api, ns), timeout=15, what="a running VMI")
+    assert "Chassis Power is on" in pod_agent.ipmitool("power", "status").stdout
+    status, system = pod_agent.redfish("GET", "/redfish/v1/Systems/vm")
+    assert (status, system["PowerState"]) == (200, "On")
+    reset = "/redfish/v1/Systems/vm/Actions/ComputerSystem.Reset"
+    assert pod_agent.redfish("POST", reset, {"ResetType": "ForceOff"})[0] in (200, 202, 204)
+    wait_for(lambda: get_vm(sim_api, ns)["status"].get("printableStatus") == "Stopped", timeout=15,
+             what="the VM stopped by a Redfish reset")
+
+    first_use = cluster.tokens.first_used(new)  # only the agent has the new token
+    assert first_use is not None and first_use >= rotated_at
+    now = pod_status(sim_api, ns, "agent")["containerStatuses"][0]
+    assert (now["restartCount"], now["containerID"]) == (started["restartCount"], started["containerID"])
+    print(f"\nrotation -> the agent's first request with the new token: {first_use - rotated_at:.3f} s; "
+          f"old token rejected after {rejected_at - rotated_at:.3f} s; rejection -> new token in use: "
+          f"{first_use - rejected_at:.3f} s (the agent's next request got 401, re-read the file, retried)")
+
+
+def test_a_rotated_token_is_written_atomically_where_the_pods_kubeconfig_names_it(
+        cluster: Cluster, sim_api: client.ApiClient, pod_agent: PodAgent) -> None:
+    kubeconfig = yaml.safe_load(Path(cluster.pod_kubeconfig(pod_agent.namespace, "agent")).read_text())
+    token_file = Path(kubeconfig["users"][0]["user"]["tokenFile"])
+    ca_file = Path(kubeconfig["clusters"][0]["cluster"]["certificate-authority"])
+    before = token_file.read_text()
+    assert token_file.is_symlink() and (token_file.parent / "..data").is_symlink()
+    assert ca_file.read_bytes() == cluster.certs.ca_pem
+
+    old, new = cluster.rotate_service_account_token(pod_agent.namespace, "agent", grace=0)
+
+    assert (old, token_file.read_text()) == (before, new)
+    assert not authenticates(sim_api, old) and authenticates(sim_api, new)
+    with pytest.raises(KeyError, match="no service account token"):
+        cluster.rotate_service_account_token(pod_agent.namespace, "no-such-pod", grace=0)
