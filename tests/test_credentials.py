@@ -30,6 +30,7 @@ import pytest
 import yaml
 from kubernetes import client, config
 
+from controller.kubeapi import ApiError, KubeApi, TokenFile, connect, connect_in_cluster
 from kubesim.certs import ServingCert, serving_cert
 from kubesim.cluster import Cluster, SimConfig
 from vbmc.kube import REFRESH_SECONDS, Credentials, KubeClient, KubeError, Unreachable, load_credentials
@@ -456,3 +457,87 @@ def test_a_rotated_token_is_written_atomically_where_the_pods_kubeconfig_names_i
     assert not authenticates(sim_api, old) and authenticates(sim_api, new)
     with pytest.raises(KeyError, match="no service account token"):
         cluster.rotate_service_account_token(pod_agent.namespace, "no-such-pod", grace=0)
+
+
+# ---- the controller's client (the official client's configuration under controller.kubeapi.KubeApi)
+
+
+@pytest.fixture
+def sleeper(sim_api: client.ApiClient) -> Iterator[tuple[str, str]]:
+    """A pod that only holds its service account token: (namespace, name)."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    assert call(sim_api, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}}).status == 201
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sleeper"}, "spec": {"containers": [{
+        "name": "sleeper", "image": "kubevbmc:latest", "command": ["sleep", "600"]}]}}
+    assert call(sim_api, "POST", f"/api/v1/namespaces/{ns}/pods", pod).status == 201
+    wait_for(lambda: pod_status(sim_api, ns, "sleeper").get("phase") == "Running", timeout=15, what="Running")
+    yield ns, "sleeper"
+    call(sim_api, "DELETE", f"/api/v1/namespaces/{ns}")
+
+
+def test_the_controller_reads_a_rotated_kubeconfig_token_file_on_a_401(cluster: Cluster,
+                                                                      sleeper: tuple[str, str]) -> None:
+    ns, pod = sleeper
+    kube = KubeApi(connect(cluster.pod_kubeconfig(ns, pod)))
+    path = f"/api/v1/namespaces/{ns}/pods"
+    assert kube.request("GET", f"{path}/{pod}")["metadata"]["name"] == pod
+
+    old, new = cluster.rotate_service_account_token(ns, pod, grace=0)
+
+    assert old not in cluster.tokens
+    assert kube.request("GET", f"{path}/{pod}")["metadata"]["name"] == pod
+    watch = kube.stream(path, {"timeoutSeconds": "5"}, read_timeout=10)
+    assert next(watch)["type"] == "ADDED"
+    watch.close()
+    assert cluster.tokens.first_used(new) is not None
+
+
+def test_the_controller_in_cluster_reads_a_rotated_token_on_a_401(cluster: Cluster,
+                                                                 sleeper: tuple[str, str]) -> None:
+    ns, pod = sleeper
+    kubeconfig = yaml.safe_load(Path(cluster.pod_kubeconfig(ns, pod)).read_text())
+    sa_dir = Path(kubeconfig["users"][0]["user"]["tokenFile"]).parent
+    host, port = cluster.address.rsplit(":", 1)
+    kube = KubeApi(connect_in_cluster({"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port},
+                                      str(sa_dir / "token"), str(sa_dir / "ca.crt")))
+    path = f"/api/v1/namespaces/{ns}/pods"
+    assert kube.request("GET", f"{path}/{pod}")["metadata"]["name"] == pod
+
+    cluster.rotate_service_account_token(ns, pod, grace=0)
+
+    assert kube.request("GET", f"{path}/{pod}")["metadata"]["name"] == pod
+    watch = kube.stream(path, {"timeoutSeconds": "5"}, read_timeout=10)
+    assert next(watch)["type"] == "ADDED"
+    watch.close()
+
+
+def test_a_rejected_controller_token_that_did_not_change_is_not_retried(cluster: Cluster,
+                                                                        sleeper: tuple[str, str]) -> None:
+    ns, pod = sleeper
+    kube = KubeApi(connect(cluster.pod_kubeconfig(ns, pod)))
+    token = Path(yaml.safe_load(Path(cluster.pod_kubeconfig(ns, pod)).read_text())["users"][0]["user"]
+                 ["tokenFile"]).read_text()
+    cluster.tokens.expire(token, 0)  # rejected, and the file still holds it
+
+    with pytest.raises(ApiError) as caught:
+        kube.request("GET", f"/api/v1/namespaces/{ns}/pods/{pod}")
+
+    assert caught.value.status == 401
+
+
+def test_the_controller_token_file_is_read_again_once_a_minute(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("token-a")
+    clock = Clock()
+    source = TokenFile(str(path), period=60, clock=clock)
+    configuration = client.Configuration()
+    path.write_text("token-b")
+
+    clock.now += 59
+    source(configuration)
+    assert configuration.api_key["BearerToken"] == "Bearer token-a"
+    clock.now += 1
+    source(configuration)
+    assert configuration.api_key["BearerToken"] == "Bearer token-b"
+    path.unlink()
+    assert source.read() is False and source.token == "token-b"
