@@ -32,11 +32,11 @@ from kubernetes import client, config
 
 from controller.kubeapi import ApiError, KubeApi, TokenFile, connect, connect_in_cluster
 from kubesim.certs import ServingCert, serving_cert
-from kubesim.cluster import Cluster, SimConfig
+from kubesim.cluster import Cluster, SimConfig, TokenTable
 from vbmc.kube import REFRESH_SECONDS, Credentials, KubeClient, KubeError, Unreachable, load_credentials
 
 from .agents import PASSWORD, USER, free_port
-from .conftest import BMC_CRD, address_ranges, call, wait_for
+from .conftest import BMC_CRD, address_ranges, call, start_sim, wait_for
 from .vms import get_vm, make_bmc, make_vm, running_vmi_uid
 
 # ---- a tiny API server: accepts the tokens in `valid`, records every token it was sent
@@ -541,3 +541,66 @@ def test_the_controller_token_file_is_read_again_once_a_minute(tmp_path: Path) -
     assert configuration.api_key["BearerToken"] == "Bearer token-b"
     path.unlink()
     assert source.read() is False and source.token == "token-b"
+
+
+# ---- kubesim: the token table and --token-ttl
+
+
+def test_a_token_expires_at_its_ttl_or_when_told_whichever_is_sooner() -> None:
+    clock = Clock()
+    table = TokenTable({"admin": "kubernetes-admin"}, clock=clock)
+    table.add("short", "sa", ttl=10)
+    table.add("told", "sa", ttl=100)
+    table.expire("told", 5)
+    table.expire("short", 50)  # later than its own expiry: changes nothing
+
+    clock.now += 5
+    assert ("admin" in table, "short" in table, "told" in table) == (True, True, False)
+    clock.now += 5
+    assert "short" not in table and "admin" in table
+    assert table.first_used("admin") is None
+    assert table["admin"] == "kubernetes-admin"
+    assert table.first_used("admin") == clock.now
+    table.add("later", "sa")  # adding forgets the expired ones
+    assert set(table) == {"admin", "later"}
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_kubesim_refuses_a_token_ttl_that_is_not_a_finite_number_of_seconds(tmp_path: Path, value: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "vbmc", "sim", "--listen", "127.0.0.1:0", "--kubeconfig",
+                           str(tmp_path / "kubeconfig"), "--token-ttl", value],
+                          capture_output=True, text=True, timeout=30, check=False)
+
+    assert done.returncode == 2
+    assert f"--token-ttl: {float(value)} is not a finite number of seconds >= 0" in done.stderr
+    assert not (tmp_path / "kubeconfig").exists()
+
+
+def test_with_a_token_ttl_pods_get_new_tokens_and_an_agent_keeps_working(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path, "--token-ttl", "2", "--vm-start-delay", "0.3", "--bookmark-interval", "0.5")
+    try:
+        api = sim.api()
+        assert call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+                    yaml.safe_load(BMC_CRD.read_text())).status == 201
+        wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")
+        make_vm(api, "default")
+        make_bmc(api, "default")
+        ipmi_port, http_port = free_port(socket.SOCK_DGRAM), free_port()
+        assert call(api, "POST", "/api/v1/namespaces/default/pods", agent_pod(ipmi_port, http_port)).status == 201
+        wait_for(lambda: pod_ready(api, "default", "agent"), timeout=30, what="the agent pod to be ready")
+        agent = PodAgent("default", "agent", pod_status(api, "default", "agent")["podIP"], ipmi_port, http_port)
+
+        def rotations() -> int:
+            return sim.log.read_text().count("rotated the service account token of pod default_agent_")
+
+        # The token is renewed every 1.6 s and expires 2 s after it was issued: after three renewals the
+        # agent's first token has long been rejected.
+        wait_for(lambda: rotations() >= 3, timeout=30, what="three token renewals")
+        on = agent.ipmitool("power", "on")
+        assert on.returncode == 0, on.stderr
+        wait_for(lambda: running_vmi_uid(api, "default"), timeout=15, what="a running VMI")
+        status, system = agent.redfish("GET", "/redfish/v1/Systems/vm")
+        assert (status, system["PowerState"]) == (200, "On")
+        assert pod_status(api, "default", "agent")["containerStatuses"][0]["restartCount"] == 0
+    finally:
+        sim.stop()
