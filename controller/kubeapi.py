@@ -78,6 +78,11 @@ class TokenFile:
             changed, self.token = token != self.token, token
             return changed
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> TokenFile:
+        # Configurations are deep-copied (Configuration.set_default, ApiClient()); every copy shares the one
+        # source, as they share the official loaders' hook functions.
+        return self
+
     def __call__(self, configuration: client.Configuration) -> None:
         if self._clock() >= self._due:
             self.read()

@@ -543,6 +543,24 @@ def test_the_controller_token_file_is_read_again_once_a_minute(tmp_path: Path) -
     assert source.read() is False and source.token == "token-b"
 
 
+def test_a_copied_controller_configuration_shares_its_token_file(cluster: Cluster, sleeper: tuple[str, str]) -> None:
+    ns, pod = sleeper
+    api_client = connect(cluster.pod_kubeconfig(ns, pod))
+    # What the controller does before it starts (the official client's default configuration is a deep copy).
+    client.Configuration.set_default(api_client.configuration)
+    try:
+        copied = client.Configuration.get_default_copy()
+    finally:
+        client.Configuration.set_default(None)
+    assert copied.refresh_api_key_hook is api_client.configuration.refresh_api_key_hook
+    _old, new = cluster.rotate_service_account_token(ns, pod, grace=0)
+
+    kube = KubeApi(client.ApiClient(copied))
+
+    assert kube.request("GET", f"/api/v1/namespaces/{ns}/pods/{pod}")["metadata"]["name"] == pod
+    assert cluster.tokens.first_used(new) is not None
+
+
 # ---- kubesim: the token table and --token-ttl
 
 
