@@ -273,21 +273,22 @@ class KubeClient:
 
     def _open_watch(self, path: str, url: str, read_timeout: float) -> urllib3.BaseHTTPResponse:
         pool, auth = self._current()
-        for attempt in (1, 2):
-            try:
-                resp = pool.request("GET", url, headers=auth, preload_content=False,
-                                    timeout=urllib3.Timeout(connect=self.timeout, read=read_timeout))
-            except (urllib3.exceptions.HTTPError, OSError) as exc:
-                raise Unreachable(f"watch {path}: {exc}") from exc
-            if resp.status != 401 or attempt == 2:
-                return resp
+        resp = self._get_watch(pool, path, url, auth, read_timeout)
+        if resp.status == 401:
             retry = self._retry_unauthorized(auth)
-            if retry is None:
-                return resp
-            resp.drain_conn()
-            resp.release_conn()
-            pool, auth = self._pool, retry
-        raise AssertionError("unreachable")  # pragma: no cover
+            if retry is not None:
+                resp.drain_conn()
+                resp.release_conn()
+                resp = self._get_watch(self._pool, path, url, retry, read_timeout)
+        return resp
+
+    def _get_watch(self, pool: urllib3.PoolManager, path: str, url: str, headers: dict[str, str],
+                   read_timeout: float) -> urllib3.BaseHTTPResponse:
+        try:
+            return pool.request("GET", url, headers=headers, preload_content=False,
+                                timeout=urllib3.Timeout(connect=self.timeout, read=read_timeout))
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise Unreachable(f"watch {path}: {exc}") from exc
 
     def stream(self, path: str, query: dict[str, str], read_timeout: float) -> Iterator[Obj]:
         """The events of one watch request, until the server ends it. Raises Unreachable/KubeError. The watch
