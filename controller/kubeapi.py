@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import os
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import urllib3
+import yaml
 from kubernetes import client, config
+from kubernetes.config import incluster_config
 from urllib3.util.wait import wait_for_read
+
+log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 APPLY = "application/apply-patch+yaml"
@@ -34,15 +40,92 @@ class ApiError(Exception):
         self.message = message
 
 
+class TokenFile:
+    """A bearer token read from a file that the kubelet rewrites as the token rotates: read again at most every
+    `period` seconds (client-go's cachingTokenSource: every minute) and at once by `read` (after a 401). It is
+    the configuration's `refresh_api_key_hook`, which the official client calls for every request's auth.
+
+    The official client re-reads an in-cluster token every minute but cannot be told to at once, and never
+    re-reads a kubeconfig user's `tokenFile` (client-go does both)."""
+
+    def __init__(self, path: str, period: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.period = period
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.token = ""
+        self._due = 0.0
+        self.read()
+
+    def read(self) -> bool:
+        """Read the file now; True when the token changed. A file that is gone or empty keeps the token read
+        before (with a warning), as client-go keeps its cached token when a refresh fails."""
+        with self._lock:
+            self._due = self._clock() + self.period
+            try:
+                with open(self.path, encoding="utf-8") as fh:
+                    token = fh.read().strip()
+            except OSError as exc:
+                if not self.token:
+                    raise config.ConfigException(f"token file {self.path}: {exc.strerror or exc}") from exc
+                log.warning("token file %s: %s; keeping the token read before", self.path, exc.strerror or exc)
+                return False
+            if not token:
+                if not self.token:
+                    raise config.ConfigException(f"token file {self.path} is empty")
+                log.warning("token file %s is empty; keeping the token read before", self.path)
+                return False
+            changed, self.token = token != self.token, token
+            return changed
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TokenFile:
+        # Configurations are deep-copied (Configuration.set_default, ApiClient()); every copy shares the one
+        # source, as they share the official loaders' hook functions.
+        return self
+
+    def __call__(self, configuration: client.Configuration) -> None:
+        if self._clock() >= self._due:
+            self.read()
+        configuration.api_key["BearerToken"] = f"Bearer {self.token}"
+        configuration.api_key_prefix.pop("BearerToken", None)
+
+
 def connect(kubeconfig: str = "") -> client.ApiClient:
     """From `kubeconfig`, else $KUBECONFIG / ~/.kube/config, else the in-cluster service account."""
     if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)
+        return _with_token_file(config.new_client_from_config(config_file=kubeconfig), kubeconfig)
     try:
-        config.load_incluster_config()
+        return connect_in_cluster()
     except config.ConfigException:
-        return config.new_client_from_config()
-    return client.ApiClient()
+        path = os.path.expanduser(config.KUBE_CONFIG_DEFAULT_LOCATION.split(os.pathsep)[0])
+        return _with_token_file(config.new_client_from_config(), path)
+
+
+def connect_in_cluster(environ: Mapping[str, str] = os.environ,
+                       token_file: str = incluster_config.SERVICE_TOKEN_FILENAME,
+                       ca_file: str = incluster_config.SERVICE_CERT_FILENAME) -> client.ApiClient:
+    """The pod's service account, its token read again as it rotates. Raises ConfigException outside a pod."""
+    configuration = client.Configuration()
+    incluster_config.InClusterConfigLoader(token_file, ca_file, try_refresh_token=False,
+                                           environ=environ).load_and_set(configuration)
+    configuration.refresh_api_key_hook = TokenFile(token_file)  # type: ignore[assignment]  # stub says None
+    return client.ApiClient(configuration)
+
+
+def _with_token_file(api_client: client.ApiClient, kubeconfig: str) -> client.ApiClient:
+    """A kubeconfig whose current user names a `tokenFile` (and no `token`): that file read again as it rotates."""
+    try:
+        with open(kubeconfig, encoding="utf-8") as fh:
+            loaded = yaml.safe_load(fh) or {}
+    except OSError:
+        return api_client
+    contexts = {c.get("name"): c.get("context") or {} for c in loaded.get("contexts") or []}
+    users = {u.get("name"): u.get("user") or {} for u in loaded.get("users") or []}
+    user = users.get(contexts.get(loaded.get("current-context"), {}).get("user"), {})
+    if user.get("tokenFile") and not user.get("token"):
+        path = os.path.join(os.path.dirname(os.path.abspath(kubeconfig)), user["tokenFile"])
+        api_client.configuration.refresh_api_key_hook = TokenFile(path)
+    return api_client
 
 
 def _request(method: str, target: str, host: str, headers: dict[str, str], body: bytes | None) -> bytes:
@@ -101,14 +184,11 @@ class KubeApi:
                 content_type: str = "application/json", timeout: float = 15.0) -> Obj:
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         try:
-            if self._direct:
-                target = self._prefix + path + ("?" + urllib.parse.urlencode(query) if query else "")
-                status, reason, raw = self._send(method, target, data, self._headers(content_type), timeout)
-            else:
-                resp = self._pool.request(method, self._url(path, query), body=data,
-                                          headers=self._headers(content_type), timeout=urllib3.Timeout(total=timeout),
-                                          retries=False, preload_content=True)
-                status, reason, raw = resp.status, resp.reason or "", resp.data or b""
+            headers = self._headers(content_type)
+            status, reason, raw = self._exchange(method, path, query, data, headers, timeout)
+            if status == 401 and self._token_renewed(headers):
+                status, reason, raw = self._exchange(method, path, query, data, self._headers(content_type),
+                                                     timeout)
         except Exception as exc:  # socket, TLS and HTTP errors: the server could not be reached
             raise ApiError(0, "Unreachable", f"{method} {path}: {exc}") from exc
         try:
@@ -121,6 +201,26 @@ class KubeApi:
         if method != "GET" and self.on_write is not None:
             self.on_write(method, path)
         return payload if isinstance(payload, dict) else {}
+
+    def _exchange(self, method: str, path: str, query: dict[str, str] | None, data: bytes | None,
+                  headers: dict[str, str], timeout: float) -> tuple[int, str, bytes]:
+        if self._direct:
+            target = self._prefix + path + ("?" + urllib.parse.urlencode(query) if query else "")
+            return self._send(method, target, data, headers, timeout)
+        resp = self._pool.request(method, self._url(path, query), body=data, headers=headers,
+                                  timeout=urllib3.Timeout(total=timeout), retries=False, preload_content=True)
+        return resp.status, resp.reason or "", resp.data or b""
+
+    def _token_renewed(self, sent: dict[str, str]) -> bool:
+        """After a 401: a token from a file is read again at once (client-go does too). True when the headers
+        now carry another token than the rejected request did: worth one retry."""
+        hook = self.api_client.configuration.refresh_api_key_hook
+        if not isinstance(hook, TokenFile):
+            return False
+        hook.read()
+        with self._auth_lock:
+            self._auth_until = 0.0
+        return self._headers("application/json").get("authorization") != sent.get("authorization")
 
     def _send(self, method: str, target: str, body: bytes | None, headers: dict[str, str],
               timeout: float) -> tuple[int, str, bytes]:
@@ -156,10 +256,16 @@ class KubeApi:
 
     def stream(self, path: str, query: dict[str, str], read_timeout: float) -> Iterator[Obj]:
         """The events of one watch request until the server ends it."""
+        url = self._url(path, {**query, "watch": "true"})
         try:
-            resp = self._pool.request("GET", self._url(path, {**query, "watch": "true"}),
-                                      headers=self._headers("application/json"), retries=False,
-                                      timeout=urllib3.Timeout(connect=10, read=read_timeout), preload_content=False)
+            headers = self._headers("application/json")
+            resp = self._pool.request("GET", url, headers=headers, retries=False, preload_content=False,
+                                      timeout=urllib3.Timeout(connect=10, read=read_timeout))
+            if resp.status == 401 and self._token_renewed(headers):
+                resp.drain_conn()
+                resp.release_conn()
+                resp = self._pool.request("GET", url, headers=self._headers("application/json"), retries=False,
+                                          preload_content=False, timeout=urllib3.Timeout(connect=10, read=read_timeout))
         except Exception as exc:
             raise ApiError(0, "Unreachable", f"watch {path}: {exc}") from exc
         try:

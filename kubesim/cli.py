@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import gc
 import logging
+import math
 import signal
 import sys
 import threading
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how often a watch that allows bookmarks gets one (default %(default)s, about "
                              "kube-apiserver's once a minute)")
     parser.add_argument("--log-dir", default="", help="where agent pods write their logs")
+    parser.add_argument("--token-ttl", type=float, default=0.0, metavar="SECONDS",
+                        help="lifetime of pods' service account tokens: the kubelet writes a new one at 80%% of "
+                             "it and the API server rejects the old one when it expires (default: never expire)")
     parser.add_argument("--cpu", default="auto", metavar="auto|all|N",
                         help="the CPU kubesim's threads run on: auto (the highest-numbered one it may use), a CPU "
                              "number, or all (no pinning). One CPU is faster: the threads share one GIL "
@@ -53,6 +57,8 @@ def config_from(args: Any) -> SimConfig:
                      history_size=args.history, log_dir=args.log_dir, bookmark_interval=args.bookmark_interval,
                      pod_cidr=args.pod_cidr, service_cidr=args.service_cidr,
                      load_balancer_cidr=args.load_balancer_cidr,
+                     # `kubevbmc demo` builds its own arguments, without this flag
+                     token_ttl=getattr(args, "token_ttl", 0.0),
                      local_entrypoint=[sys.executable, "-m", "vbmc"])
 
 
@@ -66,6 +72,10 @@ def run(args: Any) -> int:
     from .cpu import pin
 
     # Before any other thread exists: every thread kubesim starts inherits the main thread's CPU.
+    if not 0 <= args.token_ttl < math.inf:  # also NaN
+        print(f"kubevbmc sim: --token-ttl: {args.token_ttl} is not a finite number of seconds >= 0",
+              file=sys.stderr)
+        return 2
     try:
         process_cpus = pin(args.cpu)
     except ValueError as exc:

@@ -8,6 +8,8 @@ import os
 import secrets
 import ssl
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from importlib import resources as package_files
 from typing import Any, Protocol
@@ -58,6 +60,58 @@ class SimConfig:
     # The CPUs container processes run on when kubesim's own threads were pinned to one (see cpu.py); None: as
     # the process that starts them.
     process_cpus: frozenset[int] | None = None
+    # Lifetime of the ServiceAccount tokens the kubelet gives pods (seconds; 0: they never expire). The kubelet
+    # writes a new one at 80% of it, as it refreshes bound tokens; the old one is rejected once expired.
+    token_ttl: float = 0.0
+
+
+class TokenTable(dict[str, str]):
+    """The API server's bearer tokens (token -> user). A token given an expiry is unknown from then on, as
+    the TokenRequest API's bound tokens stop authenticating at their `exp`; the server's `token in table`
+    then fails with 401. It also remembers when each token first authenticated a request (what a test
+    measures a rotation by)."""
+
+    def __init__(self, *args: Any, clock: Any = time.monotonic) -> None:
+        super().__init__(*args)
+        self._clock = clock
+        self._expires: dict[str, float] = {}
+        self._first_used: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, token: str, user: str, ttl: float | None = None) -> None:
+        with self._lock:
+            self._forget_expired()
+            self[token] = user
+            if ttl is not None:
+                self._expires[token] = self._clock() + ttl
+
+    def expire(self, token: str, after: float) -> None:
+        """The token stops authenticating `after` seconds from now (or at its own expiry if sooner)."""
+        with self._lock:
+            at = self._clock() + after
+            self._expires[token] = min(at, self._expires.get(token, at))
+
+    def __contains__(self, token: object) -> bool:
+        if not super().__contains__(token):
+            return False
+        expires = self._expires.get(token)  # type: ignore[call-overload]
+        return expires is None or self._clock() < expires
+
+    def __getitem__(self, token: str) -> str:
+        if token not in self._first_used:
+            self._first_used.setdefault(token, self._clock())
+        return super().__getitem__(token)
+
+    def first_used(self, token: str) -> float | None:
+        """When the token first authenticated a request (time.monotonic), None if never."""
+        return self._first_used.get(token)
+
+    def _forget_expired(self) -> None:
+        at = self._clock()
+        for token in [t for t, expires in self._expires.items() if expires <= at]:
+            self.pop(token, None)
+            del self._expires[token]
+            self._first_used.pop(token, None)
 
 
 class Component(Protocol):
@@ -71,7 +125,7 @@ class Cluster:
         self.config = config or SimConfig()
         self.store = Store(history_size=self.config.history_size)
         self.admin_token = secrets.token_hex(16)
-        self.tokens: dict[str, str] = {self.admin_token: ADMIN_USER}
+        self.tokens = TokenTable({self.admin_token: ADMIN_USER})
         self.certs = serving_cert(["127.0.0.1", "localhost", self.config.host, "kubernetes.default.svc"])
         self.cert_dir = tempfile.mkdtemp(prefix="kubesim-tls-")
         tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -102,10 +156,24 @@ class Cluster:
     def add_component(self, component: Component) -> None:
         self.components.append(component)
 
-    def new_token(self, user: str) -> str:
+    def new_token(self, user: str, ttl: float | None = None) -> str:
+        """A bearer token for `user`, valid for `ttl` seconds (None: until the cluster stops)."""
         token = secrets.token_hex(16)
-        self.tokens[token] = user
+        self.tokens.add(token, user, ttl)
         return token
+
+    def rotate_service_account_token(self, namespace: str, pod: str, grace: float) -> tuple[str, str]:
+        """What the kubelet does when a pod's bound token nears its expiry: a new token is written to the pod's
+        token file (atomically) and is valid at once; the old one is rejected with 401 after `grace` seconds.
+        Returns (old, new). Raises KeyError for a pod the kubelet has not started."""
+        return self._kubelet().rotate_token(namespace, pod, grace)
+
+    def pod_kubeconfig(self, namespace: str, pod: str) -> str:
+        """The kubeconfig the kubelet gave a pod's processes (KUBECONFIG). KeyError for a pod it has not started."""
+        return self._kubelet().kubeconfig_of(namespace, pod)
+
+    def _kubelet(self) -> kubelet.Kubelet:
+        return next(c for c in self.components if isinstance(c, kubelet.Kubelet))
 
     def start(self) -> None:
         for component in self.components:
@@ -123,15 +191,21 @@ class Cluster:
             except Exception:
                 log.exception("stopping %s", component)
 
-    def write_kubeconfig(self, path: str, token: str, user: str, namespace: str = "default") -> str:
+    def write_kubeconfig(self, path: str, token: str, user: str, namespace: str = "default", *,
+                         token_file: str = "", ca_file: str = "") -> str:
+        """A kubeconfig for `user`: with `token` inline, or naming `token_file` (read again by clients as it
+        rotates); the CA inline, or as `ca_file`."""
         if not path:
             path = os.path.join(tempfile.mkdtemp(prefix="kubesim-"), "kubeconfig")
+        cluster: dict[str, Any] = {"server": self.url}
+        if ca_file:
+            cluster["certificate-authority"] = ca_file
+        else:
+            cluster["certificate-authority-data"] = base64.b64encode(self.certs.ca_pem).decode()
         config: dict[str, Any] = {
             "apiVersion": "v1", "kind": "Config", "current-context": "kubesim", "preferences": {},
-            "clusters": [{"name": "kubesim", "cluster": {
-                "server": self.url,
-                "certificate-authority-data": base64.b64encode(self.certs.ca_pem).decode()}}],
-            "users": [{"name": user, "user": {"token": token}}],
+            "clusters": [{"name": "kubesim", "cluster": cluster}],
+            "users": [{"name": user, "user": {"tokenFile": token_file} if token_file else {"token": token}}],
             "contexts": [{"name": "kubesim", "context": {"cluster": "kubesim", "user": user,
                                                           "namespace": namespace}}],
         }

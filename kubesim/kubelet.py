@@ -10,9 +10,13 @@ What a local process cannot have, and how it is stood in for:
 - no mount namespace: secret, configMap, emptyDir and hostPath volumes are directories on the host, and the
   volumeMount's mountPath prefix is rewritten to that directory in command, args, env values, workingDir and
   exec probes. A program that builds a mounted path some other way will not find the file (known limitation).
-- no in-cluster service account mount at a fixed path: the process gets KUBECONFIG (a per-pod kubeconfig with a
-  token for `system:serviceaccount:<ns>:<sa>`) and KUBERNETES_SERVICE_HOST/PORT pointing at the API server; the
-  token, ca.crt and namespace are also written under the rewritten /var/run/secrets/kubernetes.io/serviceaccount.
+- no in-cluster service account mount at a fixed path: the token, ca.crt and namespace are written (as the
+  kubelet's AtomicWriter does: a timestamped directory behind a `..data` symlink that is swapped) into the pod's
+  directory that stands for /var/run/secrets/kubernetes.io/serviceaccount, and the process gets KUBECONFIG, a
+  per-pod kubeconfig whose user for `system:serviceaccount:<ns>:<sa>` names that token file (`tokenFile`) and CA
+  file, so a client reads the files as an in-cluster one would; KUBERNETES_SERVICE_HOST/PORT point at the API
+  server. Tokens rotate as bound tokens do: with `token_ttl` the kubelet writes a new token at 80% of its
+  lifetime and the old one expires at 100%; `rotate_token` does it at once (tests).
 - the environment starts from a few host variables (PATH, PYTHONPATH, HOME, LANG, VIRTUAL_ENV, TMPDIR) so the
   image's Python can run, then what Kubernetes would give the container.
 - crash-loop back-off is 1 s doubling to 10 s (Kubernetes: 10 s doubling to 5 min): a simulator should recover
@@ -331,6 +335,37 @@ class PodRuntime:
     mounts: list[tuple[str, str]] = field(default_factory=list)
     kill_at: float | None = None  # when terminating: SIGKILL after this
     prepared: bool = False
+    # The projected service account token: its user, the files written with it, the token, when to renew it.
+    sa_user: str = ""
+    sa_dir: str = ""
+    sa_files: dict[str, str] = field(default_factory=dict)
+    token: str = ""
+    token_refresh_at: float = 0.0
+
+
+def write_atomically(directory: str, files: dict[str, str]) -> None:
+    """The kubelet's AtomicWriter (pkg/volume/util/atomic_writer.go): the files go into a new timestamped
+    directory, the `..data` symlink is renamed over to point at it, and each visible name is a symlink through
+    `..data` (made once). A reader sees all the old files or all the new ones, never a half-written token."""
+    os.makedirs(directory, exist_ok=True)
+    stamp = tempfile.mkdtemp(prefix=time.strftime("..%Y_%m_%d_%H_%M_%S."), dir=directory)
+    for name, content in files.items():
+        with open(os.path.join(stamp, name), "w", encoding="utf-8") as fh:
+            fh.write(content)
+        os.chmod(os.path.join(stamp, name), 0o644)
+    data = os.path.join(directory, "..data")
+    previous = os.readlink(data) if os.path.islink(data) else None
+    link = os.path.join(directory, "..data_tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(link)
+    os.symlink(os.path.basename(stamp), link)
+    os.rename(link, data)
+    for name in files:
+        visible = os.path.join(directory, name)
+        if not os.path.islink(visible):
+            os.symlink(os.path.join("..data", name), visible)
+    if previous and previous != os.path.basename(stamp):
+        shutil.rmtree(os.path.join(directory, previous), ignore_errors=True)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -400,7 +435,44 @@ class Kubelet(ControlLoop):
             return None
         again = self._run_containers(pod, rt)
         self._write_status(pod, rt)
+        ttl = self.config.token_ttl
+        if ttl > 0 and rt.token:
+            wait = rt.token_refresh_at - time.monotonic()
+            if wait <= 0:
+                with self._lock:
+                    self._rotate(rt, grace=None)  # the old token expires by its own TTL
+                wait = rt.token_refresh_at - time.monotonic()
+            again = wait if again is None else min(again, wait)
         return again
+
+    # ---- service account tokens
+
+    def rotate_token(self, namespace: str, name: str, grace: float) -> tuple[str, str]:
+        """A new token for the pod's service account, written to its token file and valid at once; the old one
+        is rejected after `grace` seconds. (old, new); KeyError for a pod this kubelet has not started."""
+        with self._lock:
+            rt = self.pods.get((namespace, name))
+            if rt is None or not rt.token:
+                raise KeyError(f"pod {namespace}/{name} has no service account token from this kubelet")
+            return self._rotate(rt, grace)
+
+    def kubeconfig_of(self, namespace: str, name: str) -> str:
+        with self._lock:
+            rt = self.pods.get((namespace, name))
+        if rt is None or not rt.prepared:
+            raise KeyError(f"pod {namespace}/{name} has not been started by this kubelet")
+        return os.path.join(rt.dir, "kubeconfig")
+
+    def _rotate(self, rt: PodRuntime, grace: float | None) -> tuple[str, str]:
+        ttl = self.config.token_ttl or None
+        old, new = rt.token, self.cluster.new_token(rt.sa_user, ttl)
+        write_atomically(rt.sa_dir, {**rt.sa_files, "token": new})
+        rt.token = new
+        rt.token_refresh_at = time.monotonic() + 0.8 * ttl if ttl else 0.0
+        if grace is not None:
+            self.cluster.tokens.expire(old, grace)
+        log.info("kubelet: rotated the service account token of pod %s", os.path.basename(rt.dir))
+        return old, new
 
     def _discard(self, key: tuple[str, str], rt: PodRuntime) -> None:
         """The pod is gone (or replaced under the same name): kill what is left and free its IP."""
@@ -409,6 +481,8 @@ class Kubelet(ControlLoop):
             if c.proc is not None and c.proc.poll() is None:
                 _signal_group(c.proc, signal.SIGKILL)
         self.net.pod_ips.release(rt.ip, rt.uid)
+        if rt.token:
+            self.cluster.tokens.expire(rt.token, 0)  # a bound token dies with its pod
         with self._lock:
             if self.pods.get(key) is rt:
                 del self.pods[key]
@@ -521,15 +595,16 @@ class Kubelet(ControlLoop):
         volumes = _volume_files(pod, self._lookup(ns))  # raises VolumeError before anything is written
         os.makedirs(rt.dir, exist_ok=True)
         sa = pod["spec"].get("serviceAccountName") or "default"
-        token = self.cluster.new_token(f"system:serviceaccount:{ns}:{sa}")
-        self.cluster.write_kubeconfig(os.path.join(rt.dir, "kubeconfig"), token,
-                                      f"system:serviceaccount:{ns}:{sa}", ns or "default")
-        sa_dir = os.path.join(rt.dir, "serviceaccount")
-        os.makedirs(sa_dir, exist_ok=True)
-        for filename, content in (("token", token), ("namespace", ns),
-                                  ("ca.crt", self.cluster.certs.ca_pem.decode())):
-            with open(os.path.join(sa_dir, filename), "w", encoding="utf-8") as fh:
-                fh.write(content)
+        rt.sa_user = f"system:serviceaccount:{ns}:{sa}"
+        rt.sa_dir = sa_dir = os.path.join(rt.dir, "serviceaccount")
+        rt.sa_files = {"namespace": ns, "ca.crt": self.cluster.certs.ca_pem.decode()}
+        ttl = self.config.token_ttl or None
+        rt.token = self.cluster.new_token(rt.sa_user, ttl)
+        rt.token_refresh_at = time.monotonic() + 0.8 * ttl if ttl else 0.0
+        write_atomically(sa_dir, {**rt.sa_files, "token": rt.token})
+        self.cluster.write_kubeconfig(os.path.join(rt.dir, "kubeconfig"), "", rt.sa_user, ns or "default",
+                                      token_file=os.path.join(sa_dir, "token"),
+                                      ca_file=os.path.join(sa_dir, "ca.crt"))
         local: dict[str, str] = {}
         for vol_name, files in volumes.items():
             if isinstance(files, str):  # a hostPath: the host directory itself

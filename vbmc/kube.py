@@ -4,15 +4,25 @@ The agent makes a handful of calls (a watch on its VM and VMI, subresource PUTs,
 budget is 60 MB: importing the official client's generated models alone costs about 33 MB (measured: 46.8 MB
 for flask + pyghmi + gunicorn + urllib3, 63.5 MB once `kubernetes.client` is imported). So the agent speaks
 REST with urllib3, which the official client itself uses underneath, and reads the same kubeconfig files.
+
+Credentials that rotate: a bound ServiceAccount token is rewritten by the kubelet before it expires, and a CA
+bundle can be replaced. As client-go does (transport/token_source.go: cachingTokenSource), a token that comes
+from a file (in-cluster, or a kubeconfig user's `tokenFile`) is read again at most every REFRESH_SECONDS and at
+once when the server answers 401 (the request is then retried once with the new token); the CA file is read on
+the same schedule and, when its content changed, new connections use a TLS context built from it. A request
+costs a clock read, not a file read.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import ssl
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +31,13 @@ from urllib.parse import urlencode
 import urllib3
 import yaml
 
+log = logging.getLogger(__name__)
+
 Obj = dict[str, Any]
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# client-go re-reads a token file every minute (cachingTokenSource); the kubelet rewrites a bound token at 80% of
+# its lifetime (at least 10 minutes), so the old one stays valid for minutes after the new one is written.
+REFRESH_SECONDS = 60.0
 
 
 class KubeError(Exception):
@@ -44,6 +59,7 @@ class Unreachable(Exception):
 class Credentials:
     server: str
     token: str = ""
+    token_file: str = ""  # read again while running (in-cluster token, kubeconfig `tokenFile`)
     ca_file: str = ""
     cert_file: str = ""
     key_file: str = ""
@@ -59,16 +75,16 @@ def load_credentials(kubeconfig: str | None = None) -> Credentials:
     host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
     if not host or not port:
         raise Unreachable("no kubeconfig (KUBECONFIG unset) and not running in a cluster")
-    with open(os.path.join(SERVICE_ACCOUNT_DIR, "token"), encoding="utf-8") as fh:
-        token = fh.read().strip()
+    token_file = os.path.join(SERVICE_ACCOUNT_DIR, "token")
+    token = read_token(token_file)
     namespace = "default"
     ns_file = os.path.join(SERVICE_ACCOUNT_DIR, "namespace")
     if os.path.exists(ns_file):
         with open(ns_file, encoding="utf-8") as fh:
             namespace = fh.read().strip()
     host = f"[{host}]" if ":" in host else host
-    return Credentials(f"https://{host}:{port}", token=token, ca_file=os.path.join(SERVICE_ACCOUNT_DIR, "ca.crt"),
-                       namespace=namespace)
+    return Credentials(f"https://{host}:{port}", token=token, token_file=token_file,
+                       ca_file=os.path.join(SERVICE_ACCOUNT_DIR, "ca.crt"), namespace=namespace)
 
 
 def _from_kubeconfig(path: str) -> Credentials:
@@ -90,9 +106,22 @@ def _from_kubeconfig(path: str) -> Credentials:
     creds.key_file = _file(user, "client-key", base)
     creds.token = user.get("token") or ""
     if not creds.token and user.get("tokenFile"):
-        with open(user["tokenFile"], encoding="utf-8") as fh:
-            creds.token = fh.read().strip()
+        # client-go resolves a relative tokenFile against the kubeconfig's directory, as the other file names.
+        creds.token_file = str(os.path.join(base, user["tokenFile"]))
+        creds.token = read_token(creds.token_file)
     return creds
+
+
+def read_token(path: str) -> str:
+    """A bearer token file's content. Raises Unreachable (naming the file) when it is missing or empty."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            token = fh.read().strip()
+    except OSError as exc:
+        raise Unreachable(f"token file {path}: {exc.strerror or exc}") from exc
+    if not token:
+        raise Unreachable(f"token file {path} is empty")
+    return token
 
 
 def _file(section: Obj, key: str, base: str) -> str:
@@ -107,23 +136,100 @@ def _file(section: Obj, key: str, base: str) -> str:
     return ""
 
 
+def _read_ca(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def _tls_context(creds: Credentials, ca: bytes | None) -> ssl.SSLContext:
+    """TLS for the API server: trusting `ca` (PEM or DER; the system's CAs when None), with the client
+    certificate if there is one. Raises ssl.SSLError/OSError for a CA or key that does not load."""
+    cadata: str | bytes | None = ca
+    if ca is not None and b"-----BEGIN" in ca:
+        cadata = ca.decode("ascii", errors="replace")
+    context = ssl.create_default_context(cadata=cadata)
+    if creds.insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if creds.cert_file:
+        context.load_cert_chain(creds.cert_file, creds.key_file or None)
+    return context
+
+
 class KubeClient:
-    def __init__(self, creds: Credentials, timeout: float = 5.0, maxsize: int = 4) -> None:
+    """JSON requests and watches with the credentials of `creds`, re-reading a token file and a CA file as they
+    rotate (see the module's docstring). Safe to share between threads."""
+
+    def __init__(self, creds: Credentials, timeout: float = 5.0, maxsize: int = 4,
+                 refresh_seconds: float = REFRESH_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
         self.creds = creds
         self.timeout = timeout
-        kwargs: dict[str, Any] = {"maxsize": maxsize, "retries": False, "block": False}
-        if creds.server.startswith("https"):
-            context = ssl.create_default_context(cafile=creds.ca_file or None)
-            if creds.insecure:
-                context.check_hostname = False
-                context.verify_mode = ssl.CERT_NONE
-            if creds.cert_file:
-                context.load_cert_chain(creds.cert_file, creds.key_file or None)
-            kwargs["ssl_context"] = context
-        self._pool = urllib3.PoolManager(**kwargs)
-        self._headers = {"Accept": "application/json", "User-Agent": "kubevbmc-agent"}
-        if creds.token:
-            self._headers["Authorization"] = f"Bearer {creds.token}"
+        self._maxsize = maxsize
+        self._clock = clock
+        self._refresh_seconds = refresh_seconds
+        self._lock = threading.Lock()
+        self._tls = creds.server.startswith("https")
+        self._ca = _read_ca(creds.ca_file) if self._tls and creds.ca_file else None
+        self._pool = self._new_pool(self._ca)
+        self._base_headers = {"Accept": "application/json", "User-Agent": "kubevbmc-agent"}
+        self._headers = self._with_token(creds.token)
+        self._rereads = bool(creds.token_file) or self._ca is not None
+        self._due = clock() + refresh_seconds
+
+    def _new_pool(self, ca: bytes | None) -> urllib3.PoolManager:
+        kwargs: dict[str, Any] = {"maxsize": self._maxsize, "retries": False, "block": False}
+        if self._tls:
+            kwargs["ssl_context"] = _tls_context(self.creds, ca)
+        return urllib3.PoolManager(**kwargs)
+
+    def _with_token(self, token: str) -> dict[str, str]:
+        return {**self._base_headers, **({"Authorization": f"Bearer {token}"} if token else {})}
+
+    def _current(self) -> tuple[urllib3.PoolManager, dict[str, str]]:
+        """The pool and headers for the next request: a clock read, and the files read again when due."""
+        if self._rereads and self._clock() >= self._due:
+            self.refresh()
+        return self._pool, self._headers
+
+    def refresh(self) -> bool:
+        """Read the token file and the CA file again now. True when the token changed. A file that cannot be
+        read (or a CA that does not load) leaves the credentials as they were, with a warning."""
+        with self._lock:
+            self._due = self._clock() + self._refresh_seconds
+            changed = False
+            if self.creds.token_file:
+                try:
+                    token = read_token(self.creds.token_file)
+                except Unreachable as exc:
+                    log.warning("kube: %s; keeping the token read before", exc)
+                    token = self.creds.token
+                if token != self.creds.token:
+                    self.creds.token = token
+                    self._headers = self._with_token(token)
+                    changed = True
+                    log.info("kube: read a new token from %s", self.creds.token_file)
+            if self._ca is not None:
+                try:
+                    ca = _read_ca(self.creds.ca_file)
+                    pool = self._new_pool(ca) if ca != self._ca else None
+                except (OSError, ssl.SSLError) as exc:
+                    log.warning("kube: CA file %s: %s; keeping the CA read before", self.creds.ca_file, exc)
+                    pool = None
+                if pool is not None:
+                    # Connections already open (a watch) finish on the old pool; new ones verify with the new CA.
+                    old, self._pool, self._ca = self._pool, pool, ca
+                    old.clear()
+                    log.info("kube: read a new CA bundle from %s", self.creds.ca_file)
+            return changed
+
+    def _retry_unauthorized(self, sent: dict[str, str]) -> dict[str, str] | None:
+        """After a 401: the token file read again at once (client-go does too); the headers to retry with when
+        they now carry another token than the rejected request did, else None."""
+        if not self.creds.token_file:
+            return None  # a fixed token cannot get better by asking again
+        self.refresh()
+        headers = self._headers
+        return headers if headers.get("Authorization") != sent.get("Authorization") else None
 
     def _url(self, path: str, query: dict[str, str] | None) -> str:
         url = self.creds.server.rstrip("/") + path
@@ -131,17 +237,20 @@ class KubeClient:
 
     def request(self, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
                 content_type: str = "application/json", timeout: float | None = None) -> Any:
-        """One request; the decoded JSON answer. Raises KubeError for error codes, Unreachable otherwise."""
-        headers = dict(self._headers)
+        """One request; the decoded JSON answer. Raises KubeError for error codes, Unreachable otherwise.
+        A 401 with a token from a file is retried once, with the token read again."""
+        pool, auth = self._current()
         data = None
+        extra: dict[str, str] = {}
         if body is not None:
             data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            headers["Content-Type"] = content_type
-        try:
-            resp = self._pool.request(method, self._url(path, query), body=data, headers=headers,
-                                      timeout=urllib3.Timeout(total=timeout or self.timeout))
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise Unreachable(f"{method} {path}: {exc}") from exc
+            extra["Content-Type"] = content_type
+        url = self._url(path, query)
+        resp = self._send(pool, method, url, data, {**auth, **extra}, timeout, path)
+        if resp.status == 401:
+            retry = self._retry_unauthorized(auth)
+            if retry is not None:
+                resp = self._send(self._pool, method, url, data, {**retry, **extra}, timeout, path)
         payload: Any = None
         if resp.data:
             try:
@@ -154,16 +263,39 @@ class KubeClient:
                             str(status.get("message") or payload or resp.reason), payload)
         return payload
 
-    def stream(self, path: str, query: dict[str, str], read_timeout: float,
-               opened: Callable[[urllib3.BaseHTTPResponse], None] | None = None) -> Iterator[Obj]:
-        """The events of one watch request, until the server ends it. Raises Unreachable/KubeError.
-        `opened` gets the response, whose `shutdown()` ends a read blocked in another thread."""
+    def _send(self, pool: urllib3.PoolManager, method: str, url: str, data: bytes | None, headers: dict[str, str],
+              timeout: float | None, path: str) -> urllib3.BaseHTTPResponse:
         try:
-            resp = self._pool.request("GET", self._url(path, {**query, "watch": "true"}),
-                                      headers=self._headers, preload_content=False,
-                                      timeout=urllib3.Timeout(connect=self.timeout, read=read_timeout))
+            return pool.request(method, url, body=data, headers=headers,
+                                timeout=urllib3.Timeout(total=timeout or self.timeout))
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise Unreachable(f"{method} {path}: {exc}") from exc
+
+    def _open_watch(self, path: str, url: str, read_timeout: float) -> urllib3.BaseHTTPResponse:
+        pool, auth = self._current()
+        resp = self._get_watch(pool, path, url, auth, read_timeout)
+        if resp.status == 401:
+            retry = self._retry_unauthorized(auth)
+            if retry is not None:
+                resp.drain_conn()
+                resp.release_conn()
+                resp = self._get_watch(self._pool, path, url, retry, read_timeout)
+        return resp
+
+    def _get_watch(self, pool: urllib3.PoolManager, path: str, url: str, headers: dict[str, str],
+                   read_timeout: float) -> urllib3.BaseHTTPResponse:
+        try:
+            return pool.request("GET", url, headers=headers, preload_content=False,
+                                timeout=urllib3.Timeout(connect=self.timeout, read=read_timeout))
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise Unreachable(f"watch {path}: {exc}") from exc
+
+    def stream(self, path: str, query: dict[str, str], read_timeout: float,
+               opened: Callable[[urllib3.BaseHTTPResponse], None] | None = None) -> Iterator[Obj]:
+        """The events of one watch request, until the server ends it. Raises Unreachable/KubeError. The watch
+        is opened with the token and CA of the moment, so each reconnect picks up rotated credentials.
+        `opened` gets the response, whose `shutdown()` ends a read blocked in another thread."""
+        resp = self._open_watch(path, self._url(path, {**query, "watch": "true"}), read_timeout)
         if opened is not None:
             opened(resp)
         try:
