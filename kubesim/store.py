@@ -20,6 +20,7 @@ from typing import Any
 
 from . import errors, fields, schema
 from .objects import ByIdentity, clone, now
+from .omitempty import omit_empty
 from .patch import json_patch, merge_patch, strategic_merge_patch
 from .resources import ResourceType
 from .selectors import LABEL_KEY, LABEL_VALUE, field_matcher, label_matcher
@@ -296,6 +297,7 @@ class Store:
             if applied is not None:
                 new = fields.apply(rtype, new, applied[1], applied[0], "", False, rtype.api_version(), now())
                 new["apiVersion"] = rtype.api_version()
+                omit_empty(rtype, new)  # the applied configuration's empty maps are recorded, not stored
             elif manager:
                 fields.track_update(rtype, None, new, manager, "", rtype.api_version(), now())
             if dry_run:
@@ -534,6 +536,7 @@ class Store:
             rtype.defaulter(new)
         for hook in self._admission:
             hook(op, rtype, new, old)
+        omit_empty(rtype, new)
         causes: list[dict[str, str]] = []
         if rtype.schema is not None:
             schema.validate_object(rtype.schema, new, old, causes)

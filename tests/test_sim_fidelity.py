@@ -141,3 +141,115 @@ def test_bookmarks_default_to_about_once_a_minute_as_kube_apiserver_sends_them()
     assert SimConfig().bookmark_interval == 60.0
     quick = cli.config_from(parser.parse_args(["--bookmark-interval", "0.5"]))
     assert quick.bookmark_interval == 0.5
+
+
+# ---- empty maps
+
+
+EMPTY_META = {"labels": {}, "annotations": {}, "finalizers": []}
+
+
+def _without_server_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = {k: v for k, v in obj["metadata"].items() if k not in (
+        "uid", "resourceVersion", "creationTimestamp", "managedFields", "generation")}
+    return {**obj, "metadata": meta}
+
+
+def test_empty_maps_of_a_configmap_and_a_secret_are_not_stored(api: client.ApiClient, namespace: str) -> None:
+    cm_path = f"/api/v1/namespaces/{namespace}/configmaps"
+    created = call(api, "POST", cm_path, {"metadata": {"name": "empty", **EMPTY_META}, "data": {},
+                                          "binaryData": {}})
+    assert created.status == 201, created.body
+    for cm in (created.body, call(api, "GET", f"{cm_path}/empty").body):
+        assert _without_server_fields(cm) == {"apiVersion": "v1", "kind": "ConfigMap",
+                                              "metadata": {"name": "empty", "namespace": namespace}}
+    secret_path = f"/api/v1/namespaces/{namespace}/secrets"
+    secret = call(api, "POST", secret_path, {"metadata": {"name": "empty", **EMPTY_META}, "data": {},
+                                             "stringData": {}})
+    assert secret.status == 201, secret.body
+    got = call(api, "GET", f"{secret_path}/empty").body
+    assert "data" not in got and "stringData" not in got and got["type"] == "Opaque"
+    assert not {"labels", "annotations", "finalizers"} & got["metadata"].keys()
+
+
+def test_an_update_with_empty_maps_stores_none(api: client.ApiClient, namespace: str) -> None:
+    path = f"/api/v1/namespaces/{namespace}/configmaps"
+    cm = call(api, "POST", path, {"metadata": {"name": "u", "labels": {"a": "1"}}, "data": {"k": "v"}}).body
+    cm["metadata"]["labels"], cm["data"] = {}, {}
+    updated = call(api, "PUT", f"{path}/u", cm)
+    assert updated.status == 200, updated.body
+    assert "labels" not in updated.body["metadata"] and "data" not in updated.body
+    patched = call(api, "PATCH", f"{path}/u", [{"op": "add", "path": "/metadata/annotations", "value": {}}],
+                   content_type="application/json-patch+json")
+    assert patched.status == 200 and "annotations" not in patched.body["metadata"]
+
+
+def test_empty_maps_in_service_and_pod_template_specs_are_not_stored(api: client.ApiClient, namespace: str) -> None:
+    svc = call(api, "POST", f"/api/v1/namespaces/{namespace}/services", {
+        "metadata": {"name": "nosel"}, "spec": {"selector": {}, "ports": [{"port": 80}]}})
+    assert svc.status == 201, svc.body
+    assert "selector" not in svc.body["spec"]
+    deploy = call(api, "POST", f"/apis/apps/v1/namespaces/{namespace}/deployments", {
+        "metadata": {"name": "d", "annotations": {}}, "spec": {
+            "replicas": 0, "selector": {"matchLabels": {"app": "d"}},
+            "template": {"metadata": {"labels": {"app": "d"}, "annotations": {}}, "spec": {
+                "nodeSelector": {}, "volumes": [{"name": "scratch", "emptyDir": {}}],
+                "containers": [{"name": "c", "image": "example/c", "resources": {"limits": {}, "requests": {}}}]}}}})
+    assert deploy.status == 201, deploy.body
+    template = call(api, "GET", f"/apis/apps/v1/namespaces/{namespace}/deployments/d").body["spec"]["template"]
+    assert template["metadata"] == {"labels": {"app": "d"}}
+    assert "nodeSelector" not in template["spec"]
+    # Structs are kept even when empty: a container's resources, an emptyDir volume source.
+    assert template["spec"]["containers"][0]["resources"] == {}
+    assert template["spec"]["volumes"] == [{"name": "scratch", "emptyDir": {}}]
+
+
+def test_custom_resources_lose_empty_metadata_maps_but_keep_their_own(api: client.ApiClient, namespace: str) -> None:
+    path = f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines"
+    vm = {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": "e", **EMPTY_META},
+          "spec": {"runStrategy": "Halted", "template": {"metadata": {"labels": {}},
+                                                         "spec": {"nodeSelector": {}, "domain": {"devices": {}}}}}}
+    created = call(api, "POST", path, vm)
+    assert created.status == 201, created.body
+    assert not {"labels", "annotations", "finalizers"} & created.body["metadata"].keys()
+    got = call(api, "GET", f"{path}/e").body
+    assert "labels" not in got["metadata"]
+    assert got["spec"]["template"]["metadata"] == {"labels": {}}
+    assert got["spec"]["template"]["spec"]["nodeSelector"] == {}
+
+
+def _owned(obj: dict[str, Any], manager: str) -> dict[str, Any]:
+    entries = [e for e in obj["metadata"].get("managedFields", []) if e["manager"] == manager]
+    assert len(entries) == 1, obj["metadata"].get("managedFields")
+    fields: dict[str, Any] = entries[0]["fieldsV1"]
+    return fields
+
+
+def test_applied_empty_labels_are_owned_but_not_stored(api: client.ApiClient, namespace: str) -> None:
+    """structured-merge-diff's ToFieldSet records a null or empty map as a leaf of the applied configuration, so
+    the applier owns `f:labels`; the object itself comes back without labels."""
+    path = f"/api/v1/namespaces/{namespace}/configmaps/ssa"
+    query = {"fieldManager": "tool"}
+    config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "ssa", "labels": {}},
+              "data": {"a": "1"}}
+    for _ in range(2):  # the create, then an apply to the existing object
+        reply = call(api, "PATCH", path, config, query=query, content_type="application/apply-patch+yaml")
+        assert reply.status in (200, 201), reply.body
+        assert "labels" not in reply.body["metadata"]
+        assert _owned(reply.body, "tool") == {"f:data": {"f:a": {}}, "f:metadata": {"f:labels": {}}}
+    other = call(api, "PATCH", path, {"metadata": {"labels": {"kept": "yes"}}},
+                 content_type="application/merge-patch+json", query={"fieldManager": "other"})
+    assert other.body["metadata"]["labels"] == {"kept": "yes"}
+    config["metadata"] = {"name": "ssa"}
+    reply = call(api, "PATCH", path, config, query=query, content_type="application/apply-patch+yaml")
+    assert reply.status == 200, reply.body
+    assert reply.body["metadata"]["labels"] == {"kept": "yes"}
+    assert _owned(reply.body, "tool") == {"f:data": {"f:a": {}}}
+
+
+def test_an_update_with_empty_labels_records_no_ownership_of_them(api: client.ApiClient, namespace: str) -> None:
+    created = call(api, "POST", f"/api/v1/namespaces/{namespace}/configmaps",
+                   {"metadata": {"name": "upd", "labels": {}}, "data": {"a": "1"}}, query={"fieldManager": "me"})
+    assert created.status == 201
+    assert "labels" not in created.body["metadata"]
+    assert "f:metadata" not in _owned(created.body, "me")
