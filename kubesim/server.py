@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import json
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -19,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from . import errors, protobuf
+from . import errors, podlogs, protobuf
 from .jsonpath import evaluate
 from .objects import parse_time
 from .resources import ResourceType
@@ -57,6 +58,8 @@ class ApiServer:
         self.tokens = tokens
         self.bookmark_interval = bookmark_interval
         self.subresource_apis: dict[tuple[str, str], SubresourceAPI] = {}
+        # pods/log: the kubelet's captured output of a container, by (namespace, pod, pod uid, container).
+        self.container_logs: Callable[[str, str, str, str], podlogs.ContainerLog | None] | None = None
         self.requests = 0
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -135,6 +138,9 @@ class ApiServer:
             if rtype.status_subresource:
                 resources.append({"name": f"{rtype.plural}/status", "singularName": "", "namespaced":
                                   rtype.namespaced, "kind": rtype.kind, "verbs": ["get", "patch", "update"]})
+            if rtype.key == "/pods":  # its own subresource, which RBAC rules name apart from pods
+                resources.append({"name": "pods/log", "singularName": "", "namespaced": True, "kind": "Pod",
+                                  "verbs": ["get"]})
         sub = self.subresource_apis.get((group, version))
         if sub is not None:
             found = True
@@ -452,6 +458,11 @@ class _Handler(BaseHTTPRequestHandler):
         rtype = api.store.find_type(group, resource)
         if rtype is None or version not in rtype.served_versions or (bool(namespace) and not rtype.namespaced):
             raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        if rtype.key == "/pods" and sub == "log" and namespace and not watch:
+            self.version, self.rtype = version, rtype
+            if method != "GET":
+                raise errors.method_not_allowed()
+            return self._pod_log(rtype, namespace, name)
         if sub and (sub != "status" or not rtype.status_subresource) and not (
                 rtype.plural == "namespaces" and sub == "finalize"):
             raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
@@ -604,6 +615,76 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+    # ---- pods/log
+
+    def _pod_log(self, rtype: ResourceType, namespace: str, name: str) -> None:
+        """A container's output as text/plain; with `follow`, a chunked stream until the container's output ends,
+        the client goes or a limit is reached."""
+        opts = podlogs.parse_options(self.query, name)
+        pod = self.api.store.get(rtype, namespace, name)
+        container = podlogs.pick_container(pod, opts.container)
+        log_of = self.api.container_logs
+        run, found = None, None
+        if (pod.get("spec") or {}).get("nodeName") and log_of is not None:
+            container_id = podlogs.pick_container_id(pod, container, opts.previous)
+            found = log_of(namespace, name, pod["metadata"]["uid"], container)
+            run = found.run(container_id) if found is not None else None
+        if run is None or found is None:  # not on a node yet, or a container that runs no process (fake kubelet)
+            return self._send_text(b"")
+        with found.changed:
+            lines = podlogs.select(list(run.lines), opts, time.time())
+            seen = len(run.lines)
+        budget = opts.limit_bytes
+        with open(found.path, "rb") as fh:
+            if not opts.follow:
+                data = b"".join(self._log_line(line, text, opts) for line, text in found.read(lines, fh))
+                return self._send_text(data if budget is None else data[:budget])
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Cache-Control", "no-cache, private")
+            self.end_headers()
+            try:
+                while True:
+                    data = b"".join(self._log_line(line, text, opts) for line, text in found.read(lines, fh))
+                    if budget is not None:
+                        data, budget = data[:budget], budget - len(data[:budget])
+                    if data:
+                        self._chunk(data)
+                    if budget == 0:
+                        break
+                    lines, seen, ended = self._more_lines(found, run, seen)
+                    if ended and not lines:
+                        break
+                self._chunk(b"")
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self.close_connection = True
+
+    def _more_lines(self, found: podlogs.ContainerLog, run: podlogs.Run, seen: int) \
+            -> tuple[list[podlogs.Line], int, bool]:
+        """Lines after the first `seen`, waiting for some; ended once the run's output is closed and all read.
+        A client that closed its side (its socket reads as ready) raises ConnectionResetError."""
+        while not self.api._stopping.is_set():
+            with found.changed:
+                if len(run.lines) == seen and not run.ended:
+                    found.changed.wait(1.0)
+                lines, ended = run.lines[seen:], run.ended
+            if lines or ended:
+                return lines, seen + len(lines), ended
+            if select.select([self.connection], [], [], 0)[0]:
+                raise ConnectionResetError("the client went away")
+        return [], seen, True
+
+    @staticmethod
+    def _log_line(line: podlogs.Line, text: bytes, opts: podlogs.LogOptions) -> bytes:
+        return podlogs.timestamp(line.at).encode() + b" " + text if opts.timestamps else text
+
+    def _send_text(self, data: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self._end_with(data)
 
     # ---- watch
 

@@ -4,16 +4,20 @@ shape of list items, empty maps, watch bookmarks, pods/log and kubectl's tables.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
 
-from kubesim import cli
+from kubesim import cli, podlogs
 from kubesim.cluster import SimConfig
 
-from .conftest import Reply, Sim, call
+from .conftest import Reply, Sim, call, wait_for
 from .test_sim_kubectl import kubectl
 
 BUILTIN_LISTS = [
@@ -253,3 +257,171 @@ def test_an_update_with_empty_labels_records_no_ownership_of_them(api: client.Ap
     assert created.status == 201
     assert "labels" not in created.body["metadata"]
     assert "f:metadata" not in _owned(created.body, "me")
+
+
+# ---- pods/log
+
+LOCAL_IMAGE = "kubevbmc:dev"  # the kubelet runs this image's containers as local processes
+TALKER = """\
+import os, sys, time
+print("line 1", flush=True)
+print("line 2", flush=True)
+print("line 3", flush=True)
+deadline = time.monotonic() + 120
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("done", flush=True)
+"""
+RESTARTER = """\
+import os, sys, time
+if not os.path.exists(sys.argv[1]):
+    open(sys.argv[1], "w").close()
+    print("first run", flush=True)
+    sys.exit(1)
+print("second run", flush=True)
+time.sleep(120)
+"""
+
+
+def _talker(name: str, gate: Path, script: str = TALKER) -> dict[str, Any]:
+    return {"name": name, "image": LOCAL_IMAGE, "command": [sys.executable, "-c", script, str(gate)]}
+
+
+def _pod(api: client.ApiClient, ns: str, name: str, *containers: dict[str, Any], policy: str = "Never") -> None:
+    reply = call(api, "POST", f"/api/v1/namespaces/{ns}/pods", {
+        "metadata": {"name": name}, "spec": {"restartPolicy": policy, "containers": list(containers)}})
+    assert reply.status == 201, reply.body
+
+
+def _log(api: client.ApiClient, ns: str, pod: str, **query: str) -> Reply:
+    return call(api, "GET", f"/api/v1/namespaces/{ns}/pods/{pod}/log", query=query or None,
+                headers={"Accept": "*/*"})
+
+
+def _text(reply: Reply) -> str:
+    assert reply.status == 200, reply.body
+    assert reply.headers["content-type"] == "text/plain"
+    return reply.body if isinstance(reply.body, str) else "" if reply.body is None else json.dumps(reply.body)
+
+
+def test_pod_log_serves_a_containers_output_with_kubectls_options(
+        api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    _pod(api, namespace, "talker", _talker("main", tmp_path / "gate"))
+    text = wait_for(lambda: (t := _text(_log(api, namespace, "talker"))).count("\n") == 3 and t, what="3 lines")
+    assert text == "line 1\nline 2\nline 3\n"
+    assert _text(_log(api, namespace, "talker", container="main", tailLines="1")) == "line 3\n"
+    assert _text(_log(api, namespace, "talker", tailLines="0")) == ""
+    assert _text(_log(api, namespace, "talker", limitBytes="8")) == "line 1\nl"
+    assert _text(_log(api, namespace, "talker", sinceSeconds="3600")) == text
+    later = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+    assert _text(_log(api, namespace, "talker", sinceTime=later)) == ""
+    stamped = _text(_log(api, namespace, "talker", timestamps="true")).splitlines()
+    stamps = [datetime.datetime.fromisoformat(line.split(" ", 1)[0].replace("Z", "+00:00")) for line in stamped]
+    assert [line.split(" ", 1)[1] for line in stamped] == ["line 1", "line 2", "line 3"]
+    assert stamps == sorted(stamps) and all(s.tzinfo is not None for s in stamps)
+    assert abs(stamps[0].timestamp() - time.time()) < 600
+
+
+def test_pod_log_follow_streams_until_the_container_ends(
+        api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    _pod(api, namespace, "follow", _talker("main", gate))
+    wait_for(lambda: _text(_log(api, namespace, "follow")).count("\n") == 3, what="3 lines")
+    method, url, head, _, _ = api.param_serialize(
+        method="GET", resource_path=f"/api/v1/namespaces/{namespace}/pods/follow/log",
+        query_params=[("follow", "true")], header_params={"Accept": "*/*"}, auth_settings=["BearerToken"])
+    resp = api.call_api(method, url, header_params=head, _request_timeout=60)
+    assert resp.status == 200
+    received = b""
+    stream = resp.response.stream(1024, decode_content=False)
+    while received.count(b"\n") < 3:
+        received += next(stream)
+    assert received == b"line 1\nline 2\nline 3\n"
+    gate.touch()  # the container prints its last line and exits: the stream ends
+    received += b"".join(stream)
+    assert received == b"line 1\nline 2\nline 3\ndone\n"
+
+
+def test_pod_log_previous_is_the_run_before_a_restart(api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    _pod(api, namespace, "again", _talker("main", tmp_path / "marker", RESTARTER), policy="Always")
+
+    def restarted() -> bool:
+        statuses = call(api, "GET", f"/api/v1/namespaces/{namespace}/pods/again").body["status"].get(
+            "containerStatuses") or []
+        return bool(statuses) and statuses[0]["restartCount"] >= 1 and "running" in statuses[0]["state"]
+
+    wait_for(restarted, timeout=30, what="a restart")
+    wait_for(lambda: _text(_log(api, namespace, "again")) == "second run\n", what="the second run's output")
+    assert _text(_log(api, namespace, "again", previous="true")) == "first run\n"
+
+
+def test_pod_log_errors_are_statuses_as_kube_apiserver_gives(
+        api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    missing = _log(api, namespace, "nope")
+    assert (missing.status, missing.body["reason"], missing.body["message"]) == (
+        404, "NotFound", 'pods "nope" not found')
+    _pod(api, namespace, "pair", _talker("a", tmp_path / "gate"), _talker("b", tmp_path / "gate"))
+    unnamed = _log(api, namespace, "pair")
+    assert (unnamed.status, unnamed.body["reason"], unnamed.body["message"]) == (
+        400, "BadRequest", "a container name must be specified for pod pair, choose one of: [a b]")
+    wrong = _log(api, namespace, "pair", container="c")
+    assert (wrong.status, wrong.body["message"]) == (400, "container c is not valid for pod pair")
+    wait_for(lambda: _log(api, namespace, "pair", container="b", previous="true").body["message"] == (
+        'previous terminated container "b" in pod "pair" not found'), what="no previous container")
+    for query, field in (({"tailLines": "-1"}, "tailLines"), ({"limitBytes": "0"}, "limitBytes"),
+                         ({"sinceSeconds": "0"}, "sinceSeconds"),
+                         ({"sinceSeconds": "5", "sinceTime": "2026-01-01T00:00:00Z"}, "")):
+        invalid = _log(api, namespace, "pair", container="a", **query)
+        assert (invalid.status, invalid.body["reason"]) == (422, "Invalid"), query
+        assert invalid.body["details"]["kind"] == "PodLogOptions"
+        assert [c["field"] for c in invalid.body["details"]["causes"]] == [field]
+    assert _log(api, namespace, "pair", container="a", tailLines="many").status == 400
+
+    _pod(api, namespace, "elsewhere", {"name": "main", "image": "registry.example/other:1"})
+    pulling = wait_for(lambda: (r := _log(api, namespace, "elsewhere")).status == 400 and r, what="ErrImagePull")
+    assert pulling.body["message"].startswith('container "main" in pod "elsewhere" is waiting to start: ')
+
+
+def test_pods_log_is_a_subresource_in_discovery(api: client.ApiClient) -> None:
+    resources = {r["name"]: r for r in call(api, "GET", "/api/v1").body["resources"]}
+    assert resources["pods/log"]["verbs"] == ["get"] and resources["pods/log"]["kind"] == "Pod"
+
+
+def test_kubectl_logs_a_deployment_and_a_pod(sim: Sim, api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    reply = call(api, "POST", f"/apis/apps/v1/namespaces/{namespace}/deployments", {
+        "metadata": {"name": "web"}, "spec": {
+            "replicas": 1, "selector": {"matchLabels": {"app": "web"}},
+            "template": {"metadata": {"labels": {"app": "web"}},
+                         "spec": {"containers": [_talker("main", tmp_path / "gate")]}}}})
+    assert reply.status == 201, reply.body
+    logs = wait_for(lambda: (r := kubectl(sim, "logs", "-n", namespace, "deployment/web")).returncode == 0
+                    and r.stdout.count("\n") == 3 and r, timeout=30, what="kubectl logs deployment/web")
+    assert logs.stdout == "line 1\nline 2\nline 3\n"
+    tail = kubectl(sim, "logs", "-n", namespace, "deploy/web", "--tail=1", "-c", "main")
+    assert (tail.returncode, tail.stdout) == (0, "line 3\n"), tail.stderr
+    missing = kubectl(sim, "logs", "-n", namespace, "deploy/web", "-c", "other")
+    assert missing.returncode != 0 and "container other is not valid for pod web-" in missing.stderr
+
+
+@pytest.mark.parametrize(("at", "text"), [
+    (0.0, "1970-01-01T00:00:00Z"),
+    (1.5, "1970-01-01T00:00:01.5Z"),
+    (1.000123, "1970-01-01T00:00:01.000123Z"),
+    (1.9999999, "1970-01-01T00:00:02Z"),
+])
+def test_log_timestamps_are_rfc3339nano_without_trailing_zeros(at: float, text: str) -> None:
+    assert podlogs.timestamp(at) == text
+
+
+@pytest.mark.parametrize(("opts", "expected"), [
+    (podlogs.LogOptions(), [1, 2, 3, 4]),
+    (podlogs.LogOptions(tail_lines=2), [3, 4]),
+    (podlogs.LogOptions(tail_lines=0), []),
+    (podlogs.LogOptions(tail_lines=9), [1, 2, 3, 4]),
+    (podlogs.LogOptions(since_seconds=25), [3, 4]),  # now is 120: lines at 95 and later
+    (podlogs.LogOptions(since_time=110.0, tail_lines=5), [4]),
+    (podlogs.LogOptions(since_seconds=25, tail_lines=1), [4]),  # since first, then the tail of what is left
+])
+def test_log_lines_are_chosen_by_time_then_tail(opts: podlogs.LogOptions, expected: list[int]) -> None:
+    lines = [podlogs.Line(at, i, i + 1) for i, at in enumerate((80.0, 90.0, 100.0, 110.0), start=1)]
+    assert [line.start for line in podlogs.select(lines, opts, now=120.0)] == expected
