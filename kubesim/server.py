@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import logging
 import select
@@ -20,9 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from . import errors, podlogs, protobuf
-from .jsonpath import evaluate
-from .objects import parse_time
+from . import errors, podlogs, printers, protobuf
 from .resources import ResourceType
 from .selectors import field_matcher, label_matcher, selected_name
 from .store import APPLY, Event, Store, decode_continue, encode_continue, encoded, encoded_list_item, list_item
@@ -781,41 +778,10 @@ class _Handler(BaseHTTPRequestHandler):
         return "as=Table" in accept
 
     def _table(self, rtype: ResourceType, items: list[Obj], rv: str, cont: str | None = None) -> Obj:
-        columns: list[Obj] = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
-                               "description": "Name must be unique within a namespace."}]
-        printer = list(rtype.printer_columns) or [
-            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
-        for col in printer:
-            columns.append({"name": col["name"], "type": col.get("type", "string"), "format": col.get("format", ""),
-                            "description": col.get("description", ""), "priority": col.get("priority", 0)})
-        rows = []
-        for obj in items:
-            cells: list[Any] = [obj["metadata"]["name"]]
-            for col in printer:
-                values = evaluate(col["jsonPath"], obj)
-                value = values[0] if values else None
-                if col.get("type") == "date" and isinstance(value, str):
-                    value = _age(value)
-                cells.append(value if value is not None else "")
-            rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata",
-                                                    "apiVersion": "meta.k8s.io/v1", "metadata": obj["metadata"]}})
-        meta: Obj = {"resourceVersion": rv}
-        if cont:
-            meta["continue"] = cont
-        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": meta, "columnDefinitions": columns,
-                "rows": rows}
-
-
-def _age(timestamp: str) -> str:
-    try:
-        seconds = int(datetime.datetime.now(datetime.UTC).timestamp() - parse_time(timestamp))
-    except ValueError:
-        return timestamp
-    if seconds < 120:
-        return f"{max(seconds, 0)}s"
-    if seconds < 7200:
-        return f"{seconds // 60}m"
-    if seconds < 172800:
-        return f"{seconds // 3600}h"
-    return f"{seconds // 86400}d"
-
+        include = self.query.get("includeObject") or "Metadata"
+        if include not in ("None", "Metadata", "Object"):
+            raise errors.bad_request(f'includeObject: Unsupported value: "{include}": supported values: "None", '
+                                     '"Metadata", "Object"')
+        if include == "Object":
+            items = [self._out(o) for o in items]
+        return printers.table(rtype, items, rv, cont, include, time.time())

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from kubesim import cli, podlogs
+from kubesim import cli, podlogs, printers
 from kubesim.cluster import SimConfig
+from kubesim.objects import parse_time
 
 from .conftest import Reply, Sim, call, wait_for
 from .test_sim_kubectl import kubectl
@@ -425,3 +426,165 @@ def test_log_timestamps_are_rfc3339nano_without_trailing_zeros(at: float, text: 
 def test_log_lines_are_chosen_by_time_then_tail(opts: podlogs.LogOptions, expected: list[int]) -> None:
     lines = [podlogs.Line(at, i, i + 1) for i, at in enumerate((80.0, 90.0, 100.0, 110.0), start=1)]
     assert [line.start for line in podlogs.select(lines, opts, now=120.0)] == expected
+
+
+# ---- tables for kubectl get
+
+TABLE = {"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"}
+EVENT_WIDE = ["Subobject", "Source", "First Seen", "Count", "Name"]
+TABLE_COLUMNS: list[tuple[str, list[str], int | list[str]]] = [
+    ("/api/v1/namespaces/{ns}/pods", ["Name", "Ready", "Status", "Restarts", "Age", "IP", "Node", "Nominated Node",
+                                      "Readiness Gates"], 4),
+    ("/api/v1/namespaces/{ns}/services", ["Name", "Type", "Cluster-IP", "External-IP", "Port(s)", "Age",
+                                          "Selector"], 1),
+    ("/apis/apps/v1/namespaces/{ns}/deployments", ["Name", "Ready", "Up-to-date", "Available", "Age", "Containers",
+                                                   "Images", "Selector"], 3),
+    ("/apis/apps/v1/namespaces/{ns}/replicasets", ["Name", "Desired", "Current", "Ready", "Age", "Containers",
+                                                   "Images", "Selector"], 3),
+    ("/api/v1/namespaces/{ns}/events", ["Last Seen", "Type", "Reason", "Object", "Subobject", "Source", "Message",
+                                        "First Seen", "Count", "Name"], EVENT_WIDE),
+    ("/apis/events.k8s.io/v1/namespaces/{ns}/events", ["Last Seen", "Type", "Reason", "Object", "Subobject",
+                                                       "Source", "Message", "First Seen", "Count", "Name"],
+     EVENT_WIDE),
+    ("/api/v1/namespaces/{ns}/secrets", ["Name", "Type", "Data", "Age"], 0),
+    ("/api/v1/namespaces/{ns}/serviceaccounts", ["Name", "Secrets", "Age"], 0),
+    ("/api/v1/namespaces/{ns}/configmaps", ["Name", "Data", "Age"], 0),
+    ("/api/v1/namespaces/{ns}/endpoints", ["Name", "Endpoints", "Age"], 0),
+    ("/api/v1/namespaces", ["Name", "Status", "Age"], 0),
+    ("/api/v1/nodes", ["Name", "Status", "Roles", "Age", "Version", "Internal-IP", "External-IP", "OS-Image",
+                       "Kernel-Version", "Container-Runtime"], 5),
+    ("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases", ["Name", "Holder", "Age"], 0),
+    ("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles", ["Name", "Created At"], 0),
+    ("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings", ["Name", "Role", "Age", "Users", "Groups",
+                                                                         "ServiceAccounts"], 3),
+    ("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", ["Name", "Created At"], 0),
+]
+
+
+@pytest.mark.parametrize(("path", "names", "wide"), TABLE_COLUMNS,
+                         ids=[p.split("/")[-1] + ("-v1" if "events.k8s.io" in p else "") for p, _, _ in TABLE_COLUMNS])
+def test_builtin_tables_have_kube_apiservers_columns(
+        api: client.ApiClient, namespace: str, path: str, names: list[str], wide: int | list[str]) -> None:
+    reply = call(api, "GET", path.format(ns=namespace), headers=TABLE)
+    assert reply.status == 200 and reply.body["kind"] == "Table", reply.body
+    columns = reply.body["columnDefinitions"]
+    assert [c["name"] for c in columns] == names
+    # The server always sends the wide columns (priority 1); kubectl shows them only with -o wide.
+    wide_names = wide if isinstance(wide, list) else names[len(names) - wide:] if wide else []
+    assert [c["name"] for c in columns if c["priority"] == 1] == wide_names
+    assert all(len(row["cells"]) == len(names) for row in reply.body["rows"])
+
+
+def test_table_rows_carry_metadata_the_object_or_nothing_as_asked(api: client.ApiClient, namespace: str) -> None:
+    path = f"/api/v1/namespaces/{namespace}/configmaps"
+    assert call(api, "POST", path, {"metadata": {"name": "t"}, "data": {"a": "1", "b": "2"}}).status == 201
+    rows = call(api, "GET", path, headers=TABLE).body["rows"]
+    assert rows[0]["cells"][:2] == ["t", 2]
+    assert rows[0]["object"]["kind"] == "PartialObjectMetadata" and rows[0]["object"]["metadata"]["name"] == "t"
+    full = call(api, "GET", path, headers=TABLE, query={"includeObject": "Object"}).body["rows"][0]["object"]
+    assert full["data"] == {"a": "1", "b": "2"}
+    bare = call(api, "GET", path, headers=TABLE, query={"includeObject": "None"}).body["rows"][0]
+    assert "object" not in bare
+    assert call(api, "GET", path, headers=TABLE, query={"includeObject": "All"}).status == 400
+
+
+def _columns(output: str) -> list[list[str]]:
+    """kubectl's table output split into cells (two or more spaces apart)."""
+    import re
+    return [re.split(r"\s{2,}", line.strip()) for line in output.splitlines() if line.strip()]
+
+
+def test_kubectl_get_prints_pods_services_deployments_and_events(
+        sim: Sim, api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    reply = call(api, "POST", f"/apis/apps/v1/namespaces/{namespace}/deployments", {
+        "metadata": {"name": "web"}, "spec": {
+            "replicas": 1, "selector": {"matchLabels": {"app": "web"}},
+            "template": {"metadata": {"labels": {"app": "web"}},
+                         "spec": {"containers": [_talker("main", tmp_path / "gate")]}}}})
+    assert reply.status == 201, reply.body
+    svc = call(api, "POST", f"/api/v1/namespaces/{namespace}/services", {
+        "metadata": {"name": "web"}, "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}).body
+    event = call(api, "POST", f"/api/v1/namespaces/{namespace}/events", {
+        "metadata": {"name": "web.1"}, "involvedObject": {"kind": "Deployment", "name": "web",
+                                                          "namespace": namespace},
+        "reason": "Tested", "message": "a message", "type": "Normal", "source": {"component": "test"},
+        "firstTimestamp": "2026-01-01T00:00:00Z", "lastTimestamp": "2026-01-01T00:00:00Z", "count": 2})
+    assert event.status == 201, event.body
+    wait_for(lambda: call(api, "GET", f"/apis/apps/v1/namespaces/{namespace}/deployments/web").body.get(
+        "status", {}).get("availableReplicas") == 1, timeout=30, what="the deployment available")
+
+    got = kubectl(sim, "get", "pods,svc,deploy,events", "-n", namespace)
+    assert got.returncode == 0, got.stderr
+    rows = _columns(got.stdout)
+    headers = [r for r in rows if r[0] in ("NAME", "LAST SEEN")]
+    assert headers == [["NAME", "READY", "STATUS", "RESTARTS", "AGE"],
+                       ["NAME", "TYPE", "CLUSTER-IP", "EXTERNAL-IP", "PORT(S)", "AGE"],
+                       ["NAME", "READY", "UP-TO-DATE", "AVAILABLE", "AGE"],
+                       ["LAST SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"]]
+    pod = next(r for r in rows if r[0].startswith("pod/web-"))
+    assert pod[1:4] == ["1/1", "Running", "0"]
+    assert next(r for r in rows if r[0] == "service/web")[1:5] == [
+        "ClusterIP", svc["spec"]["clusterIP"], "<none>", "80/TCP"]
+    assert next(r for r in rows if r[0] == "deployment.apps/web")[1:4] == ["1/1", "1", "1"]
+    assert next(r for r in rows if "Tested" in r)[1:] == ["Normal", "Tested", "deployment/web", "a message"]
+
+    wide = kubectl(sim, "get", "pods", "-n", namespace, "-o", "wide")
+    header, row = _columns(wide.stdout)[:2]
+    assert header == ["NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE", "NOMINATED NODE",
+                      "READINESS GATES"]
+    assert row[6:] == ["kubesim-node", "<none>", "<none>"]
+    nodes = _columns(kubectl(sim, "get", "nodes").stdout)
+    assert nodes[1][:3] == ["kubesim-node", "Ready", "<none>"] and nodes[1][4].startswith("v1.36")
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (-5, "<invalid>"), (-1, "0s"), (0, "0s"), (119, "119s"), (120, "2m"), (150, "2m30s"), (600, "10m"),
+    (3 * 3600 - 1, "179m"), (3 * 3600, "3h"), (3 * 3600 + 60, "3h1m"), (8 * 3600, "8h"), (47 * 3600, "47h"),
+    (50 * 3600, "2d2h"), (8 * 86400, "8d"), (800 * 86400, "2y70d"), (3000 * 86400, "8y"),
+])
+def test_ages_print_as_apimachinerys_human_duration(seconds: int, text: str) -> None:
+    assert printers.human_duration(seconds) == text
+
+
+def _pod_status(*states: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "p", "creationTimestamp": "2026-01-01T00:00:00Z", **extra.pop("meta", {})},
+            "spec": {"containers": [{"name": f"c{i}"} for i in range(len(states))], "nodeName": "n"},
+            "status": {"phase": extra.pop("phase", "Running"), "podIP": "10.0.0.1",
+                       "containerStatuses": list(states), **extra}}
+
+
+NOW = parse_time("2026-01-01T01:00:00Z")
+RUNNING = {"name": "c", "ready": True, "restartCount": 0, "state": {"running": {}}}
+
+
+@pytest.mark.parametrize(("pod", "cells"), [
+    (_pod_status(RUNNING), ["1/1", "Running", "0", "60m"]),
+    (_pod_status(RUNNING, {**RUNNING, "ready": False}), ["1/2", "Running", "0", "60m"]),
+    (_pod_status({"name": "c", "restartCount": 3, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                  "lastState": {"terminated": {"finishedAt": "2026-01-01T00:58:00Z"}}}),
+     ["0/1", "CrashLoopBackOff", "3 (2m ago)", "60m"]),
+    (_pod_status({"name": "c", "state": {"terminated": {"reason": "Completed", "exitCode": 0}}},
+                 phase="Succeeded"), ["0/1", "Completed", "0", "60m"]),
+    (_pod_status({"name": "c", "state": {"terminated": {"exitCode": 137, "signal": 9}}}, phase="Failed"),
+     ["0/1", "Signal:9", "0", "60m"]),
+    (_pod_status(RUNNING, meta={"deletionTimestamp": "2026-01-01T00:59:00Z"}), ["1/1", "Terminating", "0", "60m"]),
+    (_pod_status({"name": "c", "state": {"waiting": {"reason": "ErrImagePull"}}}, phase="Pending"),
+     ["0/1", "ErrImagePull", "0", "60m"]),
+])
+def test_pod_rows_say_what_kubectl_get_pods_says(pod: dict[str, Any], cells: list[str]) -> None:
+    assert printers.pod_row(pod, NOW)[1:5] == cells
+
+
+@pytest.mark.parametrize(("spec", "status", "external", "ports"), [
+    ({"type": "ClusterIP", "ports": [{"port": 80, "protocol": "TCP"}]}, {}, "<none>", "80/TCP"),
+    ({"type": "NodePort", "ports": [{"port": 623, "nodePort": 30623, "protocol": "UDP"}]}, {}, "<none>",
+     "623:30623/UDP"),
+    ({"type": "LoadBalancer", "ports": []}, {}, "<pending>", "<none>"),
+    ({"type": "LoadBalancer", "ports": []}, {"loadBalancer": {"ingress": [{"ip": "127.3.0.1"}]}}, "127.3.0.1",
+     "<none>"),
+    ({"type": "ClusterIP", "externalIPs": ["1.2.3.4"]}, {}, "1.2.3.4", "<none>"),
+])
+def test_service_rows_show_external_ips_and_ports_as_kubectl(
+        spec: dict[str, Any], status: dict[str, Any], external: str, ports: str) -> None:
+    svc = {"metadata": {"name": "s", "creationTimestamp": "2026-01-01T00:00:00Z"}, "spec": spec, "status": status}
+    assert printers.service_row(svc, NOW)[3:5] == [external, ports]
