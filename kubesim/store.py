@@ -287,6 +287,11 @@ class Store:
                 meta.pop(key, None)
             if rtype.status_subresource:
                 new.pop("status", None)
+            if applied is not None:
+                # Merged before defaulting and validation, which see the object as it will be stored (merged
+                # after, the applied configuration would undo defaults inside the lists it replaces).
+                new = fields.apply(rtype, new, applied[1], applied[0], "", False, rtype.api_version(), now())
+                new["apiVersion"] = rtype.api_version()
             self._prepare("CREATE", rtype, new, None, field_validation, warnings)
             self._validate_meta(rtype, new)
             meta = new["metadata"]
@@ -294,11 +299,7 @@ class Store:
             meta["creationTimestamp"] = now()
             if rtype.has_generation:
                 meta["generation"] = 1
-            if applied is not None:
-                new = fields.apply(rtype, new, applied[1], applied[0], "", False, rtype.api_version(), now())
-                new["apiVersion"] = rtype.api_version()
-                omit_empty(rtype, new)  # the applied configuration's empty maps are recorded, not stored
-            elif manager:
+            if applied is None and manager:
                 fields.track_update(rtype, None, new, manager, "", rtype.api_version(), now())
             if dry_run:
                 return new

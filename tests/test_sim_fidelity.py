@@ -252,6 +252,20 @@ def test_applied_empty_labels_are_owned_but_not_stored(api: client.ApiClient, na
     assert _owned(reply.body, "tool") == {"f:data": {"f:a": {}}}
 
 
+def test_an_apply_that_creates_is_defaulted_so_the_same_apply_again_changes_nothing(
+        api: client.ApiClient, namespace: str) -> None:
+    path = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings/rb"
+    config = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "rb"},
+              "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "r"},
+              "subjects": [{"kind": "ServiceAccount", "name": "sa", "namespace": namespace}]}
+    query = {"fieldManager": "tool", "force": "true"}
+    created = call(api, "PATCH", path, config, query=query, content_type="application/apply-patch+yaml")
+    assert created.status == 201, created.body
+    assert created.body["subjects"][0]["apiGroup"] == ""  # defaulted inside the list the apply set
+    again = call(api, "PATCH", path, config, query=query, content_type="application/apply-patch+yaml")
+    assert again.body["metadata"]["resourceVersion"] == created.body["metadata"]["resourceVersion"]
+
+
 def test_an_update_with_empty_labels_records_no_ownership_of_them(api: client.ApiClient, namespace: str) -> None:
     created = call(api, "POST", f"/api/v1/namespaces/{namespace}/configmaps",
                    {"metadata": {"name": "upd", "labels": {}}, "data": {"a": "1"}}, query={"fieldManager": "me"})
