@@ -739,9 +739,12 @@ class Kubelet(ControlLoop):
         else:
             reason, message = c.waiting or ("ContainerCreating", "")
             state = {"waiting": {"reason": reason, **({"message": message} if message else {})}}
+        # Waiting to restart (CrashLoopBackOff), the run that just ended is already the last state, as the kubelet
+        # reports it: `kubectl logs` then shows that run's output.
+        last = {"terminated": c.terminated} if "waiting" in state and c.terminated is not None else c.last_state
         out: Obj = {"name": c.name, "image": image, "imageID": "", "ready": bool(c.running() and c.ready),
                     "started": bool(c.running() and c.started), "restartCount": c.restart_count, "state": state,
-                    "lastState": c.last_state}
+                    "lastState": last}
         if c.proc is not None or c.fake:
             out["imageID"] = f"kubesim.local/{image}"
             out["containerID"] = f"process://{c.proc.pid}" if c.proc is not None else f"fake://{c.name}"

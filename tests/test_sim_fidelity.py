@@ -370,6 +370,31 @@ def test_pod_log_previous_is_the_run_before_a_restart(api: client.ApiClient, nam
     assert _text(_log(api, namespace, "again", previous="true")) == "first run\n"
 
 
+CRASHER = """\
+import os, sys
+count = sum(1 for _ in open(sys.argv[1])) + 1 if os.path.exists(sys.argv[1]) else 1
+with open(sys.argv[1], "a") as runs:
+    runs.write("run\\n")
+print(f"run {count}", flush=True)
+sys.exit(1)
+"""
+
+
+def test_pod_log_of_a_crash_looping_container_is_the_run_that_crashed(
+        api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    _pod(api, namespace, "crash", _talker("main", tmp_path / "runs", CRASHER), policy="Always")
+
+    def crashed_run_shown() -> bool:
+        status = call(api, "GET", f"/api/v1/namespaces/{namespace}/pods/crash").body["status"]
+        statuses = status.get("containerStatuses") or []
+        if not statuses or (statuses[0]["state"].get("waiting") or {}).get("reason") != "CrashLoopBackOff":
+            return False
+        crashed = statuses[0]["restartCount"] + 1  # the run that just ended: it has not been restarted yet
+        return _log(api, namespace, "crash").body == f"run {crashed}\n"
+
+    wait_for(crashed_run_shown, timeout=30, what="the crashed run's output while in CrashLoopBackOff")
+
+
 def test_pod_log_errors_are_statuses_as_kube_apiserver_gives(
         api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
     missing = _log(api, namespace, "nope")
