@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import platform
 import secrets
 import ssl
 import tempfile
@@ -20,7 +21,8 @@ from . import builtin, cdi, kubelet, kubevirt, network, workloads
 from .certs import serving_cert
 from .crd import CRD_KEY, CRDController
 from .gc import GarbageCollector, NamespaceController
-from .server import ApiServer
+from .objects import now
+from .server import KUBE_VERSION, ApiServer
 from .store import Store
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -118,6 +120,20 @@ class Component(Protocol):
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
+
+
+def _node_status() -> dict[str, Any]:
+    at = now()
+    return {
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                        "message": "kubelet is posting ready status", "lastHeartbeatTime": at,
+                        "lastTransitionTime": at}],
+        "addresses": [{"type": "InternalIP", "address": kubelet.HOST_IP}, {"type": "Hostname", "address": NODE_NAME}],
+        "nodeInfo": {"kubeletVersion": KUBE_VERSION["gitVersion"], "kubeProxyVersion": "", "osImage": "kubesim",
+                     "kernelVersion": platform.release(), "containerRuntimeVersion": "process://kubesim",
+                     "operatingSystem": "linux", "architecture": "amd64", "machineID": "", "systemUUID": "",
+                     "bootID": ""},
+    }
 
 
 class Cluster:
@@ -222,6 +238,9 @@ class Cluster:
         store.create(store.type("/nodes"), {
             "metadata": {"name": NODE_NAME, "labels": {"kubernetes.io/hostname": NODE_NAME}},
         })
+        # What the kubelet reports of its node (`kubectl get nodes`: Ready, its version and address).
+        store.mutate(store.type("/nodes"), "", NODE_NAME, lambda node: node.update(status=_node_status()),
+                     subresource="status", manager="kubelet")
         crd_type = store.type(CRD_KEY)
         for filename in CRD_FILES:
             text = package_files.files("kubesim").joinpath("crds", filename).read_text(encoding="utf-8")

@@ -49,6 +49,7 @@ from .cpu import unpinned
 from .loop import ControlLoop, status_only
 from .network import network_of
 from .objects import now, set_condition
+from .podlogs import ContainerLog
 from .store import Event
 
 log = logging.getLogger(__name__)
@@ -319,6 +320,7 @@ class Container:
     stopping: bool = False
     runner: threading.Thread | None = None
     fake: bool = False  # fake mode: running without a process
+    log: ContainerLog | None = None  # its output, every run (process mode)
 
     def running(self) -> bool:
         return self.fake or (self.proc is not None and self.terminated is None)
@@ -638,20 +640,31 @@ class Kubelet(ControlLoop):
         c.started_at, c.started_mono = now(), time.monotonic()
         c.ready = c.started = False
         c.waiting = None
+        if c.log is None:
+            c.log = ContainerLog(log_path)
+        # The output goes through a pipe that `ContainerLog.capture` copies into the file: pods/log needs to know
+        # when each line came (timestamps, sinceSeconds), as the CRI log file tells a real kubelet.
+        read_fd, write_fd = os.pipe()
         try:
             if not argv:
                 raise FileNotFoundError("no command given and no local entrypoint configured for the image")
-            with open(log_path, "ab") as out, unpinned(self.config.process_cpus):
+            with unpinned(self.config.process_cpus):
                 c.proc = subprocess.Popen(argv, env=env, cwd=workdir if workdir and os.path.isdir(workdir) else None,
-                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, stdout=write_fd, stderr=subprocess.STDOUT,
                                           start_new_session=True, close_fds=True)
         except OSError as exc:
+            os.close(read_fd)
+            os.close(write_fd)
             c.proc = None
             c.terminated = {"exitCode": 128, "reason": "StartError", "message": f"failed to start container "
                             f"process: exec: {argv[:1]}: {exc.strerror or exc}", "startedAt": c.started_at,
                             "finishedAt": now(), "containerID": ""}
             self._schedule_restart(c)
             return
+        os.close(write_fd)
+        run = c.log.begin(f"process://{c.proc.pid}")
+        threading.Thread(target=c.log.capture, args=(run, read_fd), daemon=True,
+                         name=f"output-{pod['metadata']['name']}-{c.name}").start()
         c.terminated = None
         log.info("kubelet: started %s/%s container %s (pid %d): %.160s", pod["metadata"].get("namespace", ""),
                  pod["metadata"]["name"], c.name, c.proc.pid, shlex.join(argv).replace("\n", "\\n"))
@@ -801,13 +814,27 @@ class Kubelet(ControlLoop):
         else:
             reason, message = c.waiting or ("ContainerCreating", "")
             state = {"waiting": {"reason": reason, **({"message": message} if message else {})}}
+        # Waiting to restart (CrashLoopBackOff), the run that just ended is already the last state, as the kubelet
+        # reports it: `kubectl logs` then shows that run's output.
+        last = {"terminated": c.terminated} if "waiting" in state and c.terminated is not None else c.last_state
         out: Obj = {"name": c.name, "image": image, "imageID": "", "ready": bool(c.running() and c.ready),
                     "started": bool(c.running() and c.started), "restartCount": c.restart_count, "state": state,
-                    "lastState": c.last_state}
+                    "lastState": last}
         if c.proc is not None or c.fake:
             out["imageID"] = f"kubesim.local/{image}"
             out["containerID"] = f"process://{c.proc.pid}" if c.proc is not None else f"fake://{c.name}"
         return out
+
+    # ---- pods/log
+
+    def container_log(self, namespace: str, name: str, uid: str, container: str) -> ContainerLog | None:
+        """The captured output of a container of the pod with this uid (None: it never ran a process here)."""
+        with self._lock:
+            rt = self.pods.get((namespace, name))
+        if rt is None or rt.uid != uid:
+            return None
+        c = rt.containers.get(container)
+        return c.log if c is not None else None
 
     # ---- shutdown
 
@@ -875,6 +902,8 @@ def _volume_files(pod: Obj, lookup: Lookup) -> dict[str, VolumeFiles | str]:
 
 def install(cluster: Any) -> None:
     """The node's kubelet (process or fake mode, from `cluster.config.kubelet_mode`)."""
-    cluster.add_component(Kubelet(cluster))
+    kubelet = Kubelet(cluster)
+    cluster.add_component(kubelet)
+    cluster.server.container_logs = kubelet.container_log
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -19,9 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from . import errors, protobuf
-from .jsonpath import evaluate
-from .objects import parse_time
+from . import errors, podlogs, printers, protobuf
 from .resources import ResourceType
 from .selectors import field_matcher, label_matcher, selected_name
 from .store import APPLY, Event, Store, decode_continue, encode_continue, encoded, encoded_list_item, list_item
@@ -57,6 +55,8 @@ class ApiServer:
         self.tokens = tokens
         self.bookmark_interval = bookmark_interval
         self.subresource_apis: dict[tuple[str, str], SubresourceAPI] = {}
+        # pods/log: the kubelet's captured output of a container, by (namespace, pod, pod uid, container).
+        self.container_logs: Callable[[str, str, str, str], podlogs.ContainerLog | None] | None = None
         self.requests = 0
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -135,6 +135,9 @@ class ApiServer:
             if rtype.status_subresource:
                 resources.append({"name": f"{rtype.plural}/status", "singularName": "", "namespaced":
                                   rtype.namespaced, "kind": rtype.kind, "verbs": ["get", "patch", "update"]})
+            if rtype.key == "/pods":  # its own subresource, which RBAC rules name apart from pods
+                resources.append({"name": "pods/log", "singularName": "", "namespaced": True, "kind": "Pod",
+                                  "verbs": ["get"]})
         sub = self.subresource_apis.get((group, version))
         if sub is not None:
             found = True
@@ -452,6 +455,11 @@ class _Handler(BaseHTTPRequestHandler):
         rtype = api.store.find_type(group, resource)
         if rtype is None or version not in rtype.served_versions or (bool(namespace) and not rtype.namespaced):
             raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        if rtype.key == "/pods" and sub == "log" and namespace and not watch:
+            self.version, self.rtype = version, rtype
+            if method != "GET":
+                raise errors.method_not_allowed()
+            return self._pod_log(rtype, namespace, name)
         if sub and (sub != "status" or not rtype.status_subresource) and not (
                 rtype.plural == "namespaces" and sub == "finalize"):
             raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
@@ -605,6 +613,76 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
+    # ---- pods/log
+
+    def _pod_log(self, rtype: ResourceType, namespace: str, name: str) -> None:
+        """A container's output as text/plain; with `follow`, a chunked stream until the container's output ends,
+        the client goes or a limit is reached."""
+        opts = podlogs.parse_options(self.query, name)
+        pod = self.api.store.get(rtype, namespace, name)
+        container = podlogs.pick_container(pod, opts.container)
+        log_of = self.api.container_logs
+        run, found = None, None
+        if (pod.get("spec") or {}).get("nodeName") and log_of is not None:
+            container_id = podlogs.pick_container_id(pod, container, opts.previous)
+            found = log_of(namespace, name, pod["metadata"]["uid"], container)
+            run = found.run(container_id) if found is not None else None
+        if run is None or found is None:  # not on a node yet, or a container that runs no process (fake kubelet)
+            return self._send_text(b"")
+        with found.changed:
+            lines = podlogs.select(list(run.lines), opts, time.time())
+            seen = len(run.lines)
+        budget = opts.limit_bytes
+        with open(found.path, "rb") as fh:
+            if not opts.follow:
+                data = b"".join(self._log_line(line, text, opts) for line, text in found.read(lines, fh))
+                return self._send_text(data if budget is None else data[:budget])
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Cache-Control", "no-cache, private")
+            self.end_headers()
+            try:
+                while True:
+                    data = b"".join(self._log_line(line, text, opts) for line, text in found.read(lines, fh))
+                    if budget is not None:
+                        data, budget = data[:budget], budget - len(data[:budget])
+                    if data:
+                        self._chunk(data)
+                    if budget == 0:
+                        break
+                    lines, seen, ended = self._more_lines(found, run, seen)
+                    if ended and not lines:
+                        break
+                self._chunk(b"")
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self.close_connection = True
+
+    def _more_lines(self, found: podlogs.ContainerLog, run: podlogs.Run, seen: int) \
+            -> tuple[list[podlogs.Line], int, bool]:
+        """Lines after the first `seen`, waiting for some; ended once the run's output is closed and all read.
+        A client that closed its side (its socket reads as ready) raises ConnectionResetError."""
+        while not self.api._stopping.is_set():
+            with found.changed:
+                if len(run.lines) == seen and not run.ended:
+                    found.changed.wait(1.0)
+                lines, ended = run.lines[seen:], run.ended
+            if lines or ended:
+                return lines, seen + len(lines), ended
+            if select.select([self.connection], [], [], 0)[0]:
+                raise ConnectionResetError("the client went away")
+        return [], seen, True
+
+    @staticmethod
+    def _log_line(line: podlogs.Line, text: bytes, opts: podlogs.LogOptions) -> bytes:
+        return podlogs.timestamp(line.at).encode() + b" " + text if opts.timestamps else text
+
+    def _send_text(self, data: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self._end_with(data)
+
     # ---- watch
 
     def _initial_events(self) -> bool:
@@ -700,41 +778,10 @@ class _Handler(BaseHTTPRequestHandler):
         return "as=Table" in accept
 
     def _table(self, rtype: ResourceType, items: list[Obj], rv: str, cont: str | None = None) -> Obj:
-        columns: list[Obj] = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
-                               "description": "Name must be unique within a namespace."}]
-        printer = list(rtype.printer_columns) or [
-            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
-        for col in printer:
-            columns.append({"name": col["name"], "type": col.get("type", "string"), "format": col.get("format", ""),
-                            "description": col.get("description", ""), "priority": col.get("priority", 0)})
-        rows = []
-        for obj in items:
-            cells: list[Any] = [obj["metadata"]["name"]]
-            for col in printer:
-                values = evaluate(col["jsonPath"], obj)
-                value = values[0] if values else None
-                if col.get("type") == "date" and isinstance(value, str):
-                    value = _age(value)
-                cells.append(value if value is not None else "")
-            rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata",
-                                                    "apiVersion": "meta.k8s.io/v1", "metadata": obj["metadata"]}})
-        meta: Obj = {"resourceVersion": rv}
-        if cont:
-            meta["continue"] = cont
-        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": meta, "columnDefinitions": columns,
-                "rows": rows}
-
-
-def _age(timestamp: str) -> str:
-    try:
-        seconds = int(datetime.datetime.now(datetime.UTC).timestamp() - parse_time(timestamp))
-    except ValueError:
-        return timestamp
-    if seconds < 120:
-        return f"{max(seconds, 0)}s"
-    if seconds < 7200:
-        return f"{seconds // 60}m"
-    if seconds < 172800:
-        return f"{seconds // 3600}h"
-    return f"{seconds // 86400}d"
-
+        include = self.query.get("includeObject") or "Metadata"
+        if include not in ("None", "Metadata", "Object"):
+            raise errors.bad_request(f'includeObject: Unsupported value: "{include}": supported values: "None", '
+                                     '"Metadata", "Object"')
+        if include == "Object":
+            items = [self._out(o) for o in items]
+        return printers.table(rtype, items, rv, cont, include, time.time())

@@ -20,6 +20,7 @@ from typing import Any
 
 from . import errors, fields, schema
 from .objects import ByIdentity, clone, now
+from .omitempty import omit_empty
 from .patch import json_patch, merge_patch, strategic_merge_patch
 from .resources import ResourceType
 from .selectors import LABEL_KEY, LABEL_VALUE, field_matcher, label_matcher
@@ -300,6 +301,11 @@ class Store:
                 meta.pop(key, None)
             if rtype.status_subresource:
                 new.pop("status", None)
+            if applied is not None:
+                # Merged before defaulting and validation, which see the object as it will be stored (merged
+                # after, the applied configuration would undo defaults inside the lists it replaces).
+                new = fields.apply(rtype, new, applied[1], applied[0], "", False, rtype.api_version(), now())
+                new["apiVersion"] = rtype.api_version()
             self._prepare("CREATE", rtype, new, None, field_validation, warnings)
             self._validate_meta(rtype, new)
             meta = new["metadata"]
@@ -307,10 +313,7 @@ class Store:
             meta["creationTimestamp"] = now()
             if rtype.has_generation:
                 meta["generation"] = 1
-            if applied is not None:
-                new = fields.apply(rtype, new, applied[1], applied[0], "", False, rtype.api_version(), now())
-                new["apiVersion"] = rtype.api_version()
-            elif manager:
+            if applied is None and manager:
                 fields.track_update(rtype, None, new, manager, "", rtype.api_version(), now())
             if dry_run:
                 return new
@@ -548,6 +551,7 @@ class Store:
             rtype.defaulter(new)
         for hook in self._admission:
             hook(op, rtype, new, old)
+        omit_empty(rtype, new)
         causes: list[dict[str, str]] = []
         if rtype.schema is not None:
             schema.validate_object(rtype.schema, new, old, causes)
