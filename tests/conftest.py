@@ -159,13 +159,18 @@ def call(api: client.ApiClient, method: str, path: str, body: Any = None, *, que
 BMC_CRD = REPO / "controller" / "crds" / "bmc.kubevirt.io_virtualmachinebmcs.yaml"
 
 
-@pytest.fixture(scope="session")
-def bmc_crd(api: client.ApiClient) -> None:
-    """The VirtualMachineBMC CRD, installed in the session's kubesim."""
+def install_bmc_crd(api: client.ApiClient) -> None:
+    """Create the VirtualMachineBMC CRD (or find it there) and wait until its API is served."""
     reply = call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
                  yaml.safe_load(BMC_CRD.read_text()))
     assert reply.status in (201, 409), reply.body
     wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")
+
+
+@pytest.fixture(scope="session")
+def bmc_crd(api: client.ApiClient) -> None:
+    """The VirtualMachineBMC CRD, installed in the session's kubesim."""
+    install_bmc_crd(api)
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ from kubernetes import client
 from vbmc.watchcache import STALE_AFTER, same_state
 
 from .agents import PASSWORD, USER, AgentProcess
-from .conftest import BMC_CRD, Sim, call, start_sim, wait_for
+from .conftest import Sim, call, install_bmc_crd, start_sim, wait_for
 from .vms import make_bmc, make_vm, running_vmi_uid
 
 FREEZE_DEADLINE = 3 * STALE_AFTER  # generous: the bound is STALE_AFTER, the machine is shared and noisy
@@ -75,11 +75,7 @@ def slow_bookmark_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]
     """A kubesim of its own (this module freezes it), bookmarking idle watches once a minute like kube-apiserver."""
     sim = start_sim(tmp_path_factory.mktemp("stale-sim"), "--bookmark-interval", "60")
     try:
-        api = sim.api()
-        reply = call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
-                     yaml.safe_load(BMC_CRD.read_text()))
-        assert reply.status == 201, reply.body
-        wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")
+        install_bmc_crd(sim.api())
         yield sim
     finally:
         os.kill(sim.process.pid, signal.SIGCONT)

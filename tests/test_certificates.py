@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from cryptography import x509
 from kubernetes import client
 
@@ -28,7 +27,7 @@ from controller.reconciler import Reconciler, Result
 from controller.settings import Settings, add_arguments, settings_from
 from controller.status import Observed, desired_status, status_patch
 
-from .conftest import BMC_CRD, Sim, call, start_sim, wait_for
+from .conftest import Sim, call, install_bmc_crd, start_sim, wait_for
 from .controllers import BMCS, ControllerProcess, apply_bmc, deployment, get_bmc, is_ready, make_secret
 from .vms import make_vm
 
@@ -273,11 +272,7 @@ def own_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     sim = start_sim(tmp_path_factory.mktemp("certs-kubesim"), *free_ranges(), "--vm-start-delay", "0.3",
                     "--vm-stop-delay", "0.3", own_ranges=False)
     try:
-        api = sim.api()
-        reply = call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
-                     yaml.safe_load(BMC_CRD.read_text()))
-        assert reply.status == 201, reply.body
-        wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")
+        install_bmc_crd(sim.api())
         yield sim
     finally:
         sim.stop()

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
 
 from controller import desired
@@ -22,7 +21,7 @@ from controller.reconciler import difference
 from controller.spec import BMCSpec
 from controller.status import Observed, conditions_of
 
-from .conftest import BMC_CRD, Sim, call, start_sim, wait_for
+from .conftest import Sim, call, install_bmc_crd, start_sim, wait_for
 from .controllers import ControllerProcess, apply_bmc, condition, get_bmc, is_ready, make_secret, settle
 from .vms import make_vm
 
@@ -128,10 +127,7 @@ def quiet_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     """A cluster of its own: pods Ready without agent processes (the fake kubelet), so many BMCs fit; bookmarks
     as kube-apiserver sends them."""
     s = start_sim(tmp_path_factory.mktemp("kubesim-day2"), "--kubelet", "fake", "--bookmark-interval", "60")
-    api = s.api()
-    assert call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
-                yaml.safe_load(BMC_CRD.read_text())).status == 201
-    wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="the CRD served")
+    install_bmc_crd(s.api())
     yield s
     s.stop()
 
