@@ -123,7 +123,8 @@ class Manager:
     def run_with_leader_election(self) -> None:
         """Wait for the Lease, then run the controllers while renewing it; a lost Lease stops the process."""
         s = self.settings
-        self.elector = LeaderElector(self.api, s.lease_namespace, s.lease_name,
+        # Its own KubeApi: Lease renewals are not the reconcile writes kubevbmc_controller_api_writes_total counts.
+        self.elector = LeaderElector(KubeApi(self.api_client), s.lease_namespace, s.lease_name,
                                      f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}",
                                      s.lease_duration, s.renew_deadline, s.retry_period)
         if not self.elector.acquire(self.stop_event):

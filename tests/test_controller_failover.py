@@ -136,6 +136,26 @@ def watch_lease(api: client.ApiClient, ns: str, name: str) -> list[dict[str, Any
     return seen
 
 
+def test_a_leader_whose_lease_is_taken_stops_renewing_and_exits_1(
+        sim: Sim, api: client.ApiClient, bmc_crd: None, namespace: str, tmp_path: Path) -> None:
+    controller = ControllerProcess(sim.kubeconfig, tmp_path / "controller.log", "--namespace", namespace,
+                                   "--lease-namespace", namespace, "--lease-name", "taken")
+    try:
+        wait_for(lambda: controller.metric("kubevbmc_controller_leader") == 1, timeout=30, what="it to lead")
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/taken"
+        lease = call(api, "GET", path).body
+        lease["spec"].update(holderIdentity="someone-else", renewTime=micro_time(datetime.datetime.now()))
+        assert call(api, "PUT", path, lease).status == 200
+        # No renewal succeeds for the renew deadline (10 s), well before the intruder's record expires (15 s).
+        code = controller.proc.wait(timeout=40)
+        log = controller.log_path.read_text()
+        assert code == 1, log
+        assert f"ERROR controller: lost the leader Lease {namespace}/taken; exiting" in log
+        assert lease_of(api, namespace, "taken")["spec"]["holderIdentity"] == "someone-else"  # type: ignore[index]
+    finally:
+        controller.stop()
+
+
 @contextlib.contextmanager
 def terminating_namespace(api: client.ApiClient, name: str) -> Iterator[str]:
     """A namespace being deleted (a ConfigMap's finalizer holds it): the API server forbids creating in it."""
