@@ -46,6 +46,9 @@ class Manager:
         self.stop_event = threading.Event()
         self.leading = threading.Event()
         self.finished = threading.Event()
+        self.lost_lease = False  # the Lease was taken: exit 1 without releasing it
+        self.failed = False  # the controllers raised: exit 1
+        self.elector: LeaderElector | None = None
         metrics.queue_depth.set_function(lambda: len(self.queue))
         metrics.bmcs_ready.set_function(self._count_ready)
         metrics.bmcs_total.set_function(lambda: len(self.caches.bmcs.list()))
@@ -84,6 +87,11 @@ class Manager:
             for w in workers:
                 w.join(max(0.0, deadline - time.monotonic()))
             self.caches.stop()
+        except Exception:
+            # Holding the Lease without working would keep every standby waiting: stop, and let one take over.
+            log.exception("the controllers failed; exiting")
+            self.failed = True
+            self.stop_event.set()
         finally:
             self.finished.set()
 
@@ -138,8 +146,7 @@ class Manager:
 
     def release_lease(self) -> None:
         """Hand the Lease back on a clean stop, so a standby takes over at once instead of after it expires."""
-        elector: LeaderElector | None = getattr(self, "elector", None)
-        if elector is not None and elector.release():
+        if self.elector is not None and self.elector.release():
             metrics.leader.set(0)
 
 
@@ -222,10 +229,10 @@ def run(settings: Settings, kubeconfig: str) -> int:
     if manager.leading.is_set():
         manager.finished.wait(10)
     manager.recorder.stop()
-    if settings.leader_elect and not getattr(manager, "lost_lease", False):
+    if settings.leader_elect and not manager.lost_lease:
         # Renewals stop with stop_event; one still in flight would race the release.
         election.join(timeout=settings.renew_deadline)
         manager.release_lease()
     server.shutdown()
     sys.stdout.flush()
-    return 1 if getattr(manager, "lost_lease", False) else 0
+    return 1 if manager.lost_lease or manager.failed else 0
