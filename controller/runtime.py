@@ -163,8 +163,7 @@ def wait_for_crd(api: KubeApi, stop: threading.Event, timeout: float = CRD_WAIT_
         try:
             served = api.request("GET", f"/apis/{BMCS.group}/{BMCS.version}", timeout=5)
         except ApiError as exc:
-            served, problem = {}, (MISSING_CRD if exc.status == 404 else
-                                   f"cannot tell whether {CRD_NAME} is installed: {exc}")
+            problem = MISSING_CRD if exc.status == 404 else f"cannot tell whether {CRD_NAME} is installed: {exc}"
         else:
             problem = "" if any(r.get("name") == BMCS.plural for r in served.get("resources") or []) else MISSING_CRD
         if not problem:
@@ -174,7 +173,9 @@ def wait_for_crd(api: KubeApi, stop: threading.Event, timeout: float = CRD_WAIT_
         if problem != said:
             log.error("%s (waiting up to %.0fs)", problem, timeout)
             said = problem
-        if stop.wait(min(1.0, max(0.0, deadline - time.monotonic()))) or time.monotonic() >= deadline:
+        if stop.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            return False
+        if time.monotonic() >= deadline:
             log.error("%s; exiting", problem)
             return False
 
@@ -222,8 +223,8 @@ def run(settings: Settings, kubeconfig: str) -> int:
         server.shutdown()
         return 0 if manager.stop_event.is_set() else 1
     target = manager.run_with_leader_election if settings.leader_elect else manager.run_controllers
-    election = threading.Thread(target=target, name="election", daemon=True)
-    election.start()
+    main_loop = threading.Thread(target=target, name="controller", daemon=True)
+    main_loop.start()
     manager.stop_event.wait()
     log.info("stopping")
     if manager.leading.is_set():
@@ -231,7 +232,7 @@ def run(settings: Settings, kubeconfig: str) -> int:
     manager.recorder.stop()
     if settings.leader_elect and not manager.lost_lease:
         # Renewals stop with stop_event; one still in flight would race the release.
-        election.join(timeout=settings.renew_deadline)
+        main_loop.join(timeout=settings.renew_deadline)
         manager.release_lease()
     server.shutdown()
     sys.stdout.flush()
