@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import re
 import threading
 import time
@@ -18,7 +19,8 @@ import urllib3
 import yaml
 from kubernetes import client
 
-from controller.leader import Record, micro_time, record_of, released, to_lead
+from controller.kubeapi import ApiError
+from controller.leader import LeaderElector, Record, micro_time, record_of, released, to_lead
 
 from .conftest import BMC_CRD, Sim, call, start_sim, wait_for
 from .controllers import ControllerProcess, apply_bmc, is_ready, make_secret
@@ -60,9 +62,46 @@ def test_a_lease_record_reads_what_client_go_writes() -> None:
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", micro_time(datetime.datetime.now()))
 
 
+class RefusingApi:
+    """An API server that answers every Lease request with the same error (what RBAC without the Role does)."""
+
+    def __init__(self, error: ApiError) -> None:
+        self.error, self.requests = error, 0
+
+    def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
+        self.requests += 1
+        raise self.error
+
+
+def test_a_refused_lease_is_warned_about_once_per_reason_and_minute_not_on_every_retry(
+        caplog: pytest.LogCaptureFixture) -> None:
+    forbidden = ApiError(403, "Forbidden", 'leases.coordination.k8s.io "kubevbmc" is forbidden: User '
+                         '"system:serviceaccount:kubevbmc-system:kubevbmc" cannot get resource "leases"')
+    unreachable = ApiError(0, "Unreachable", "GET /apis/coordination.k8s.io/...: connection refused")
+    api, now = RefusingApi(forbidden), [0.0]
+    elector = LeaderElector(api, "kubevbmc-system", "kubevbmc", "me", 15, 10, 2,  # type: ignore[arg-type]
+                            clock=lambda: now[0])
+
+    def retry(times: int, error: ApiError) -> None:
+        api.error = error
+        for _ in range(times):  # one attempt every retry period (2 s)
+            assert not elector.try_acquire_or_renew()
+            now[0] += 2
+
+    with caplog.at_level(logging.INFO, logger="controller.leader"):
+        retry(10, forbidden)  # 0-18 s: one warning
+        retry(1, unreachable)  # 20 s: another reason, another warning
+        retry(31, forbidden)  # 22-82 s: the reason again, and once more after a minute
+    refused = "cannot read the leader Lease kubevbmc-system/kubevbmc: 403 Forbidden: " + forbidden.message
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        refused, "cannot read the leader Lease kubevbmc-system/kubevbmc: 0 Unreachable: " + unreachable.message,
+        refused, refused]
+    assert api.requests == 42
+
+
 # ---- two controller processes on kubesim
 
-def lease_of(api: client.ApiClient, ns: str, name: str) -> dict[str, object]:
+def lease_of(api: client.ApiClient, ns: str, name: str) -> dict[str, Any]:
     reply = call(api, "GET", f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{name}")
     return reply.body if reply.status == 200 else {}
 
@@ -81,7 +120,7 @@ def test_a_standby_takes_over_within_seconds_when_the_leader_is_stopped_with_sig
         standby = pair[1 - pair.index(first)]
         assert standby.metric("kubevbmc_controller_leader") == 0
         assert standby.get("/readyz")[0] == 200  # a standby is ready: it waits for the Lease
-        held_by = lease_of(api, namespace, "failover")["spec"]["holderIdentity"]  # type: ignore[index]
+        held_by = lease_of(api, namespace, "failover")["spec"]["holderIdentity"]
 
         seen = watch_lease(api, namespace, "failover")
         began = time.monotonic()
@@ -98,8 +137,8 @@ def test_a_standby_takes_over_within_seconds_when_the_leader_is_stopped_with_sig
         wait_for(lambda: any(s.get("holderIdentity", "") == "" and s.get("leaseDurationSeconds") == 1
                              for s in seen), timeout=5, what=f"the released Lease among {seen}")
         spec = lease_of(api, namespace, "failover")["spec"]
-        assert spec["holderIdentity"] not in ("", held_by)  # type: ignore[index]
-        assert spec["leaseTransitions"] >= 1  # type: ignore[index]
+        assert spec["holderIdentity"] not in ("", held_by)
+        assert spec["leaseTransitions"] >= 1
         # Well under the lease duration: without the release the standby waits for the Lease to expire.
         assert takeover < LEASE_DURATION / 2, f"takeover took {takeover:.1f}s"
 
@@ -151,7 +190,7 @@ def test_a_leader_whose_lease_is_taken_stops_renewing_and_exits_1(
         log = controller.log_path.read_text()
         assert code == 1, log
         assert f"ERROR controller: lost the leader Lease {namespace}/taken; exiting" in log
-        assert lease_of(api, namespace, "taken")["spec"]["holderIdentity"] == "someone-else"  # type: ignore[index]
+        assert lease_of(api, namespace, "taken")["spec"]["holderIdentity"] == "someone-else"
     finally:
         controller.stop()
 
