@@ -99,6 +99,43 @@ def test_a_refused_lease_is_warned_about_once_per_reason_and_minute_not_on_every
     assert api.requests == 42
 
 
+class OneLeaseApi:
+    """One Lease kept as the API server keeps it: a write must carry the current resourceVersion (else 409)."""
+
+    def __init__(self) -> None:
+        self.lease: dict[str, Any] | None = None
+        self.version = 0
+
+    def request(self, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
+        if method == "GET":
+            if self.lease is None:
+                raise ApiError(404, "NotFound", 'leases.coordination.k8s.io "l" not found')
+            return json.loads(json.dumps(self.lease))
+        if method == "PUT" and body["metadata"]["resourceVersion"] != str(self.version):
+            raise ApiError(409, "Conflict", "the object has been modified")
+        self.version += 1
+        self.lease = {**body, "metadata": {**body["metadata"], "resourceVersion": str(self.version)}}
+        return json.loads(json.dumps(self.lease))
+
+
+def test_a_leader_releases_only_the_lease_it_still_holds() -> None:
+    api, never = OneLeaseApi(), threading.Event()
+    leader = LeaderElector(api, "ns", "l", "a", 15, 10, 2)  # type: ignore[arg-type]
+    standby = LeaderElector(api, "ns", "l", "b", 15, 10, 2)  # type: ignore[arg-type]
+    assert leader.acquire(never) and not standby.try_acquire_or_renew()
+    assert leader.release()
+    assert api.lease is not None
+    assert (record_of(api.lease).holder, record_of(api.lease).duration) == ("", 1)
+    assert standby.try_acquire_or_renew(), "a released Lease is free at once"
+    standby.leading = True  # what acquire() records
+    assert (record_of(api.lease).holder, record_of(api.lease).transitions) == ("b", 1)
+
+    # A leader whose Lease was taken since it last wrote it leaves the new holder's Lease alone.
+    api.request("PUT", "", {**api.lease, "spec": {**api.lease["spec"], "holderIdentity": "c"}})
+    assert not standby.release()  # a conflict: the resourceVersion it saw is gone
+    assert record_of(api.lease).holder == "c"
+
+
 # ---- two controller processes on kubesim
 
 def lease_of(api: client.ApiClient, ns: str, name: str) -> dict[str, Any]:
