@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test lint unit demo sim bench clean
+.PHONY: venv clients test lint unit demo sim bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,10 +17,14 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-unit: venv
+# The IPMI clients the tests drive (ipmitool, freeipmi-tools): apt-get installs them when missing (sudo if not root).
+clients:
+	scripts/install-clients.sh
+
+unit: venv clients
 	$(BIN)/pytest -q
 
-# Lint, type-check, then every test (real clients included: a missing one fails, it does not skip).
+# Lint, type-check, then every test (real clients included, installed when missing: a missing one fails, never skips).
 test: lint unit
 
 demo: venv

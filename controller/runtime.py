@@ -17,15 +17,21 @@ from kubernetes import client
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import metrics
-from .caches import Caches
+from .caches import BMCS, Caches
 from .events import EventRecorder
 from .informer import Key
-from .kubeapi import MERGE_PATCH, ApiError, KubeApi, connect
+from .kubeapi import ApiError, KubeApi, connect
+from .leader import LeaderElector
 from .reconciler import Reconciler
 from .settings import Settings
 from .workqueue import WorkQueue
 
 log = logging.getLogger("controller")
+
+CRD_NAME = f"{BMCS.plural}.{BMCS.group}"
+CRD_FILE = "charts/kubevbmc/crds/bmc.kubevirt.io_virtualmachinebmcs.yaml"
+MISSING_CRD = f"CustomResourceDefinition {CRD_NAME} not found: kubectl apply -f {CRD_FILE}"
+CRD_WAIT_SECONDS = 10.0
 
 
 class Manager:
@@ -40,6 +46,9 @@ class Manager:
         self.stop_event = threading.Event()
         self.leading = threading.Event()
         self.finished = threading.Event()
+        self.lost_lease = False  # the Lease was taken: exit 1 without releasing it
+        self.failed = False  # the controllers raised: exit 1
+        self.elector: LeaderElector | None = None
         metrics.queue_depth.set_function(lambda: len(self.queue))
         metrics.bmcs_ready.set_function(self._count_ready)
         metrics.bmcs_total.set_function(lambda: len(self.caches.bmcs.list()))
@@ -78,6 +87,11 @@ class Manager:
             for w in workers:
                 w.join(max(0.0, deadline - time.monotonic()))
             self.caches.stop()
+        except Exception:
+            # Holding the Lease without working would keep every standby waiting: stop, and let one take over.
+            log.exception("the controllers failed; exiting")
+            self.failed = True
+            self.stop_event.set()
         finally:
             self.finished.set()
 
@@ -115,40 +129,55 @@ class Manager:
     # ---- leader election
 
     def run_with_leader_election(self) -> None:
-        from kubernetes.leaderelection import electionconfig, leaderelection
-        from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
-
-        logging.getLogger("leaderelection").setLevel(logging.WARNING)
-        # LeaseLock uses the default configuration: make it this client's.
-        client.Configuration.set_default(self.api_client.configuration)
+        """Wait for the Lease, then run the controllers while renewing it; a lost Lease stops the process."""
         s = self.settings
-        self.identity = f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
-        lock = LeaseLock(s.lease_name, s.lease_namespace, self.identity)
-
-        def stopped_leading() -> None:
+        # Its own KubeApi: Lease renewals are not the reconcile writes kubevbmc_controller_api_writes_total counts.
+        self.elector = LeaderElector(KubeApi(self.api_client), s.lease_namespace, s.lease_name,
+                                     f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}",
+                                     s.lease_duration, s.renew_deadline, s.retry_period)
+        if not self.elector.acquire(self.stop_event):
+            return
+        threading.Thread(target=self.run_controllers, name="controllers", daemon=True).start()
+        if not self.elector.renew(self.stop_event):
             metrics.leader.set(0)
-            if not self.stop_event.is_set():
-                log.error("lost the leader Lease %s/%s; exiting", s.lease_namespace, s.lease_name)
-                self.lost_lease = True
-                self.stop_event.set()
-
-        config = electionconfig.Config(lock, s.lease_duration, s.renew_deadline, s.retry_period,
-                                       self.run_controllers, stopped_leading)
-        log.info("waiting for the leader Lease %s/%s as %s", s.lease_namespace, s.lease_name, self.identity)
-        leaderelection.LeaderElection(config).run()
+            log.error("lost the leader Lease %s; exiting", self.elector.where)
+            self.lost_lease = True
+            self.stop_event.set()
 
     def release_lease(self) -> None:
-        """Hand the Lease back on a clean stop, so a new replica takes over at once instead of after it expires."""
-        s = self.settings
-        path = f"/apis/coordination.k8s.io/v1/namespaces/{s.lease_namespace}/leases/{s.lease_name}"
+        """Hand the Lease back on a clean stop, so a standby takes over at once instead of after it expires."""
+        if self.elector is not None and self.elector.release():
+            metrics.leader.set(0)
+
+
+def wait_for_crd(api: KubeApi, stop: threading.Event, timeout: float = CRD_WAIT_SECONDS) -> bool:
+    """Whether the API server serves VirtualMachineBMCs, asking through discovery (every authenticated user may)
+    for up to `timeout` seconds: a CRD applied together with the controller gets a moment to be established.
+
+    Without the CRD the controller exits non-zero, as a controller-runtime manager does (its Kind source fails
+    after the cache sync timeout with "no matches for kind"): the pod restarts and its status shows why, where a
+    controller waiting in silence would look healthy."""
+    deadline = time.monotonic() + timeout
+    said = ""
+    while True:
         try:
-            lease = self.api.request("GET", path)
-            if (lease.get("spec") or {}).get("holderIdentity") == getattr(self, "identity", None):
-                self.api.request("PATCH", path, {"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
-                                                 "spec": {"holderIdentity": None}}, content_type=MERGE_PATCH)
-                log.info("released the leader Lease")
+            served = api.request("GET", f"/apis/{BMCS.group}/{BMCS.version}", timeout=5)
         except ApiError as exc:
-            log.warning("could not release the leader Lease: %s", exc)
+            problem = MISSING_CRD if exc.status == 404 else f"cannot tell whether {CRD_NAME} is installed: {exc}"
+        else:
+            problem = "" if any(r.get("name") == BMCS.plural for r in served.get("resources") or []) else MISSING_CRD
+        if not problem:
+            if said:
+                log.info("CustomResourceDefinition %s is served", CRD_NAME)
+            return True
+        if problem != said:
+            log.error("%s (waiting up to %.0fs)", problem, timeout)
+            said = problem
+        if stop.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            return False
+        if time.monotonic() >= deadline:
+            log.error("%s; exiting", problem)
+            return False
 
 
 class _Probes(BaseHTTPRequestHandler):
@@ -190,15 +219,21 @@ def run(settings: Settings, kubeconfig: str) -> int:
     print(f"metrics: http://{host}:{port}/metrics", flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: manager.stop_event.set())
+    if not wait_for_crd(manager.api, manager.stop_event):
+        server.shutdown()
+        return 0 if manager.stop_event.is_set() else 1
     target = manager.run_with_leader_election if settings.leader_elect else manager.run_controllers
-    threading.Thread(target=target, name="controller", daemon=True).start()
+    main_loop = threading.Thread(target=target, name="controller", daemon=True)
+    main_loop.start()
     manager.stop_event.wait()
     log.info("stopping")
     if manager.leading.is_set():
         manager.finished.wait(10)
     manager.recorder.stop()
-    if settings.leader_elect and not getattr(manager, "lost_lease", False):
+    if settings.leader_elect and not manager.lost_lease:
+        # Renewals stop with stop_event; one still in flight would race the release.
+        main_loop.join(timeout=settings.renew_deadline)
         manager.release_lease()
     server.shutdown()
     sys.stdout.flush()
-    return 1 if getattr(manager, "lost_lease", False) else 0
+    return 1 if manager.lost_lease or manager.failed else 0

@@ -8,6 +8,7 @@ VirtualMachineBMCs, waits until every BMC is Ready, prints how to reach each, th
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import subprocess
@@ -64,7 +65,24 @@ def _ready(bmc: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+SIM_MISSING = "kubevbmc demo needs the simulator: pip install 'kubevbmc[sim]'"
+
+
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) before the demo was ready."""
+
+
 def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()  # Ctrl-C at any point of the start-up stops it cleanly
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        # kubesim evaluates the CRD's CEL rules with cel-python, the `sim` extra; without it the CRD cannot be
+        # installed, so say so before starting anything.
+        importlib.import_module("celpy")
+    except ImportError:
+        print(SIM_MISSING, file=sys.stderr)
+        return 1
     import yaml
 
     from kubesim.cli import config_from as sim_config
@@ -78,18 +96,16 @@ def run(args: argparse.Namespace) -> int:
                                   vm_start_delay=1.0, vm_stop_delay=2.0, import_delay=1.0, history=20000,
                                   log_dir=str(workdir / "pods"), bookmark_interval=5.0, pod_cidr=args.pod_cidr,
                                   service_cidr=args.service_cidr, load_balancer_cidr=args.load_balancer_cidr)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     cluster = Cluster(sim_config(sim_args))
-    cluster.start()
     controller: subprocess.Popen[bytes] | None = None
     try:
+        cluster.start()
+        _check(stop)
         api = KubeClient(load_credentials(cluster.kubeconfig))
         crd = yaml.safe_load(resources.files("controller").joinpath(
             "crds", "bmc.kubevirt.io_virtualmachinebmcs.yaml").read_text(encoding="utf-8"))
         api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-        _wait(lambda: _served(api), 10, "the VirtualMachineBMC CRD to be served")
+        _wait(lambda: _served(api), 10, "the VirtualMachineBMC CRD to be served", stop)
         log = open(workdir / "controller.log", "wb")  # noqa: SIM115 (lives as long as the controller)
         controller = subprocess.Popen(
             [sys.executable, "-m", "vbmc", "controller", "--kubeconfig", cluster.kubeconfig, "--agent-image", IMAGE,
@@ -104,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
                     raise
         names = [f"vm-{i}" for i in range(1, args.vms + 1)]
         for name in names:
+            _check(stop)
             api.request("POST", f"/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachines", _vm(name))
             api.request("POST", f"/api/v1/namespaces/{ns}/secrets", _secret(name))
             api.request("POST", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{ns}/virtualmachinebmcs", _bmc(name))
@@ -121,18 +138,24 @@ def run(args: argparse.Namespace) -> int:
         first = (bmcs[0].get("status") or {}).get("endpoints") or {}
         host = str(first.get("ipmi", "")).rsplit(":", 1)[0]
         print()
+        print(f"kubeconfig: {cluster.kubeconfig}")
+        print(f"logs: agents in {Path(sim_args.log_dir)}/ (one file per pod), controller in "
+              f"{workdir / 'controller.log'}")
+        print()
         print("try:")
         print(f"  ipmitool -I lanplus -H {host} -U {USERNAME} -P {PASSWORD} power status")
         print(f"  ipmitool -I lanplus -H {host} -U {USERNAME} -P {PASSWORD} power on")
         print(f"  curl -k -u {USERNAME}:{PASSWORD} {first.get('redfish')}")
         print(f"  KUBECONFIG={cluster.kubeconfig} {Path(sys.executable).parent / 'kubectl'} get vm,vmbmc -A")
-        print(f"kubeconfig: {cluster.kubeconfig}")
         print("ready", flush=True)
         stop.wait()
         return 0
     except TimeoutError as exc:
         print(f"kubevbmc demo: {exc} (logs in {workdir})", file=sys.stderr)
         return 1
+    except Interrupted:
+        print("kubevbmc demo: interrupted during start-up; stopped", file=sys.stderr)
+        return 130
     finally:
         if controller is not None:
             controller.terminate()
@@ -151,11 +174,19 @@ def _served(api: Any) -> bool:
         return False
 
 
-def _wait(check: Any, timeout: float, what: str, stop: threading.Event | None = None) -> Any:
+def _check(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise Interrupted
+
+
+def _wait(check: Any, timeout: float, what: str, stop: threading.Event) -> Any:
+    """`check()`'s first truthy answer; TimeoutError after `timeout` seconds, Interrupted once `stop` is set."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+    while time.monotonic() < deadline:
+        _check(stop)
         result = check()
         if result:
             return result
-        time.sleep(0.2)
+        stop.wait(0.2)
+    _check(stop)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
