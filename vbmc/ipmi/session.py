@@ -325,9 +325,9 @@ class RmcpPlusSession(serversession.ServerSession):
         # No BMC key (Kg) is configured, so the user key takes its place (section 13.31).
         sik = hmac.new(self._kuid, self._rm + self._rc + role_and_name, rakp_hash).digest()
         icv = hmac.new(sik, self._rm + self._managed_sid + self.host.guid, rakp_hash).digest()[:icv_length]
+        self.host.auth_succeeded(self)  # before RAKP 4 goes out: the console may act on it at once
         self.send_payload(bytes([tag, STATUS_OK, 0, 0]) + self._console_sid + icv, PAYLOAD["rakp4"], retry=False)
         self._activate(sik)
-        self.host.auth_succeeded(self)
 
     def _send_rakp4(self, tag: int, status: int) -> None:
         self.state = State.CLOSED

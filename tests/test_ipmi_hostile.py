@@ -1,0 +1,367 @@
+"""The IPMI frontend against hostile clients on loopback: session table exhaustion, session hijack attempts,
+odd requests inside a session, password guessing, and a bounded fuzz run of random and mutated datagrams.
+
+The attacker speaks from 127.0.0.2 (tests/ipmi_client.py chooses the source address); the owner uses ipmitool
+from 127.0.0.1, so "another address" is real on Linux loopback."""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from vbmc.ipmi import IpmiServer
+from vbmc.ipmi.server import MAX_OPENING_PER_SOURCE, MAX_SESSIONS
+from vbmc.machine import PowerState
+from vbmc.memory import MemoryMachine
+from vbmc.throttle import FREE_FAILURES, Engaged, LoginThrottle
+
+from .ipmi_client import OPEN_REQUEST, RAKP1, RAKP3, Console, ipmi_request, open_session_request, setup_packet
+from .test_ipmi import PASSWORD, USER, ipmitool, ok
+
+ATTACKER = "127.0.0.2"
+STATUS_INSUFFICIENT_RESOURCES = 0x01
+STATUS_INVALID_INTEGRITY_CHECK_VALUE = 0x0F
+GET_DEVICE_ID = (0x06, 0x01)
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def machine() -> MemoryMachine:
+    return MemoryMachine("vm-hostile")
+
+
+@pytest.fixture
+def bmc(machine: MemoryMachine) -> Iterator[IpmiServer]:
+    server = IpmiServer(machine, USER, PASSWORD, address=("127.0.0.1", 0))
+    server.start()
+    yield server
+    server.stop()
+
+
+def completion(answer_payload: bytes) -> int:
+    """The completion code of an IPMI response message (rqAddr, netFn, checksum, rsAddr, rqSeq, cmd, code...)."""
+    return answer_payload[6]
+
+
+# ---- the session table
+
+
+def test_unauthenticated_open_session_requests_from_many_ports_do_not_lock_the_owner_out(bmc: IpmiServer) -> None:
+    consoles = [Console(bmc.address, ATTACKER) for _ in range(MAX_SESSIONS + 8)]
+    try:
+        for console in consoles:
+            answer = console.open_session()
+            assert answer is not None and answer.payload[1] == 0  # the flooder itself is answered
+        assert "Chassis Power is off" in ok(ipmitool(bmc, "power", "status"))
+    finally:
+        for console in consoles:
+            console.close()
+
+
+def test_one_source_holds_at_most_a_few_half_open_sessions(bmc: IpmiServer) -> None:
+    consoles = [Console(bmc.address, ATTACKER) for _ in range(3 * MAX_OPENING_PER_SOURCE)]
+    try:
+        for console in consoles:
+            console.open_session()
+        assert bmc.counters["evicted"] == 2 * MAX_OPENING_PER_SOURCE
+        # The newest kept their slots and log in; the oldest were evicted: their RAKP 1 names no session.
+        assert consoles[-1].authenticate(USER, PASSWORD) == (4, 0)
+        assert consoles[0].authenticate(USER, PASSWORD) == (2, 0x02)  # invalid session ID
+    finally:
+        for console in consoles:
+            console.close()
+
+
+def test_a_continuous_flood_from_another_address_leaves_ipmitool_working(bmc: IpmiServer,
+                                                                         machine: MemoryMachine) -> None:
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(32)]
+        try:
+            for sock in sockets:
+                sock.bind((ATTACKER, 0))
+            # About 3,000 requests a second, each from a new port: the table would be refilled every 10 ms. Paced,
+            # so that what is tested is the session table, not the socket buffer (any UDP service loses packets
+            # to a flood faster than it can read).
+            while sent[0] < 200_000:  # bounded even if the test hangs
+                for i, sock in enumerate(sockets):
+                    sock.sendto(setup_packet(OPEN_REQUEST, open_session_request(struct.pack("<I", i + 1))),
+                                bmc.address)
+                    sent[0] += 1
+                if stop.wait(0.01):
+                    return
+        finally:
+            for sock in sockets:
+                sock.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        ok(ipmitool(bmc, "power", "on"))
+        assert machine.power_state() == PowerState.ON
+        assert "Chassis Power is on" in ok(ipmitool(bmc, "power", "status"))
+    finally:
+        stop.set()
+        flooder.join(timeout=10)
+    assert sent[0] > MAX_SESSIONS  # the flood really ran while ipmitool logged in
+
+
+def test_every_slot_authenticated_refuses_a_newcomer_with_insufficient_resources(bmc: IpmiServer) -> None:
+    consoles = [Console(bmc.address, f"127.0.1.{i + 1}") for i in range(MAX_SESSIONS)]
+    try:
+        for console in consoles:
+            assert console.login(USER, PASSWORD) == (4, 0)
+        with Console(bmc.address, ATTACKER) as late:
+            answer = late.open_session()
+            assert answer is not None and answer.payload[1] == STATUS_INSUFFICIENT_RESOURCES
+        for console in consoles:  # nobody was displaced
+            answer = console.request(*GET_DEVICE_ID)
+            assert answer is not None and completion(answer.payload) == 0
+    finally:
+        for console in consoles:
+            console.close()
+
+
+def test_an_open_session_request_from_an_active_sessions_address_leaves_the_session_active(bmc: IpmiServer) -> None:
+    with Console(bmc.address) as owner:
+        assert owner.login(USER, PASSWORD) == (4, 0)
+        # Anyone who can send from the owner's address and port (or spoof it) asks for a new session.
+        owner.send(setup_packet(OPEN_REQUEST, open_session_request(b"\x01\x02\x03\x04")))
+        assert owner.receive() is not None  # answered, as a new half-open session
+        answer = owner.request(*GET_DEVICE_ID)
+        assert answer is not None and completion(answer.payload) == 0
+
+
+def test_rakp_messages_that_name_an_active_session_change_nothing(bmc: IpmiServer) -> None:
+    with Console(bmc.address) as owner:
+        assert owner.login(USER, PASSWORD) == (4, 0)
+        owner.send(setup_packet(RAKP1, bytes([9, 0, 0, 0]) + owner.managed_sid + bytes(16)
+                                + bytes([4, 0, 0, len(USER)]) + USER.encode()))
+        refusal = owner.receive()
+        assert refusal is not None and refusal.payload_type == 0x13 and refusal.payload[1] == 0x02
+        owner.send(setup_packet(RAKP3, bytes([9, 0, 0, 0]) + owner.managed_sid + bytes(32)))
+        refusal = owner.receive()
+        assert refusal is not None and refusal.payload_type == 0x15 and refusal.payload[1] == 0x02
+        answer = owner.request(*GET_DEVICE_ID)
+        assert answer is not None and completion(answer.payload) == 0
+
+
+# ---- requests inside a session
+
+
+@pytest.mark.parametrize("netfn", [0x3F, 0x3E, 0x07, 0x2F])
+def test_an_unknown_netfn_is_answered_invalid_command(bmc: IpmiServer, netfn: int) -> None:
+    with Console(bmc.address) as owner:
+        assert owner.login(USER, PASSWORD) == (4, 0)
+        answer = owner.request(netfn, 0x00, seq=5)
+        assert answer is not None and answer.payload_type == 0
+        message = answer.payload
+        assert message[1] >> 2 == netfn | 1  # a response netFn
+        assert message[4] >> 2 == 5 and message[5] == 0x00  # the request's sequence number and command
+        assert completion(message) == 0xC1
+
+
+def test_ipmitool_raw_netfn_3fh_gets_invalid_command(bmc: IpmiServer) -> None:
+    result = ipmitool(bmc, "raw", "0x3f", "0x00")
+    assert result.returncode != 0
+    assert "rsp=0xc1" in result.stderr
+
+
+@pytest.mark.parametrize("payload_type", [0x01, 0x02, 0x11, 0x13, 0x15, 0x3F])
+def test_a_payload_type_a_bmc_does_not_take_is_discarded_quietly_and_the_session_keeps_serving(
+        bmc: IpmiServer, payload_type: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Section 13.27.3 defines no error answer for such a payload in a session: it is discarded, counted, and
+    leaves neither a traceback in the log nor a broken session."""
+    caplog.set_level(logging.DEBUG, logger="vbmc.ipmi")
+    with Console(bmc.address, timeout=0.5) as owner:
+        assert owner.login(USER, PASSWORD) == (4, 0)
+        owner.send(owner.session_packet(payload_type, bytes(range(24))))
+        assert owner.receive() is None
+        answer = owner.request(*GET_DEVICE_ID)
+        assert answer is not None and completion(answer.payload) == 0
+    assert bmc.counters["discarded"] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+
+
+# ---- password guessing over RAKP
+
+
+def test_wrong_passwords_over_rakp_are_slowed_and_the_owner_elsewhere_gets_in_at_once(machine: MemoryMachine) -> None:
+    engaged: list[Engaged] = []
+    server = IpmiServer(machine, USER, PASSWORD, address=("127.0.0.1", 0),
+                        throttle=LoginThrottle(on_engaged=engaged.append))
+    server.start()
+    try:
+        outcomes = []
+        with Console(server.address, ATTACKER) as attacker:
+            for _ in range(200):
+                outcomes.append(attacker.login(USER, "wrong-password"))
+            checked = outcomes.count((4, STATUS_INVALID_INTEGRITY_CHECK_VALUE))
+            # A handful of guesses were checked (the free ones, one more per lockout that ran out); the rest were
+            # refused before any password was looked at, with the spec's "insufficient resources".
+            assert FREE_FAILURES <= checked <= FREE_FAILURES + 4
+            assert set(outcomes) <= {(4, STATUS_INVALID_INTEGRITY_CHECK_VALUE), (1, STATUS_INSUFFICIENT_RESOURCES),
+                                     (2, STATUS_INSUFFICIENT_RESOURCES)}
+            # While locked out, even the right password gets the same refusal: the lockout is no oracle.
+            assert attacker.login(USER, PASSWORD)[1] == STATUS_INSUFFICIENT_RESOURCES
+        assert "Chassis Power is off" in ok(ipmitool(server, "power", "status"))  # from 127.0.0.1
+        assert [e.source for e in engaged] == [ATTACKER]  # one warning, not one per failure
+        assert engaged[0].protocol == "ipmi"
+    finally:
+        server.stop()
+
+
+def test_a_lockout_runs_out_and_a_success_clears_the_record(machine: MemoryMachine) -> None:
+    clock = Clock()
+    server = IpmiServer(machine, USER, PASSWORD, address=("127.0.0.1", 0), throttle=LoginThrottle(clock=clock))
+    server.start()
+    try:
+        with Console(server.address, ATTACKER) as console:
+            for _ in range(FREE_FAILURES + 1):
+                assert console.login(USER, "wrong-password") == (4, STATUS_INVALID_INTEGRITY_CHECK_VALUE)
+            assert console.login(USER, PASSWORD) == (1, STATUS_INSUFFICIENT_RESOURCES)
+            clock.now += 1.5  # past the first lockout (1 s)
+            assert console.login(USER, PASSWORD) == (4, 0)
+            assert server.throttle.sources() == 0
+    finally:
+        server.stop()
+
+
+def test_an_unknown_user_counts_as_a_failed_login(bmc: IpmiServer) -> None:
+    with Console(bmc.address, ATTACKER) as console:
+        for _ in range(FREE_FAILURES + 1):
+            assert console.login("intruder", PASSWORD) == (2, 0x0D)  # unauthorized name
+        assert console.login(USER, PASSWORD) == (1, STATUS_INSUFFICIENT_RESOURCES)
+
+
+# ---- fuzz: random and mutated datagrams
+
+
+def _mutate(rng: random.Random, packet: bytes) -> bytes:
+    """`packet` with one to four random changes (never none: an unchanged session packet would be a replay)."""
+    while (mutated := _changed(rng, packet)) == packet:
+        pass
+    return mutated
+
+
+def _changed(rng: random.Random, packet: bytes) -> bytes:
+    data = bytearray(packet)
+    for _ in range(rng.randint(1, 4)):
+        choice = rng.random()
+        if choice < 0.4 and data:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        elif choice < 0.6 and data:
+            del data[rng.randrange(len(data)):]
+        elif choice < 0.8:
+            data += rng.randbytes(rng.randint(1, 64))
+        elif data:
+            position = rng.randrange(len(data))
+            data[position:position] = rng.randbytes(rng.randint(1, 8))
+    return bytes(data)
+
+
+def fuzz_corpus(owner: Console) -> list[bytes]:
+    """Well-formed datagrams of every kind the BMC takes, to mutate: pings, session-less requests, session
+    setup, and authenticated session packets of the live session."""
+    rmcp_plus = bytes([6, 0, 0xFF, 7, 6])
+    ping = bytes([6, 0, 0xFF, 6]) + struct.pack(">IBBBB", 4542, 0x80, 7, 0, 0)
+    auth_caps = ipmi_request(0x06, 0x38, b"\x8e\x04")
+    return [
+        ping,
+        bytes([6, 0, 0xFF, 7, 0]) + bytes(8) + bytes([len(auth_caps)]) + auth_caps,
+        rmcp_plus + bytes([0]) + bytes(8) + struct.pack("<H", len(auth_caps)) + auth_caps,
+        setup_packet(OPEN_REQUEST, open_session_request(b"\x05\x06\x07\x08")),
+        setup_packet(RAKP1, bytes([1, 0, 0, 0]) + owner.managed_sid + bytes(16) + bytes([4, 0, 0, 5]) + b"admin"),
+        setup_packet(RAKP3, bytes([2, 0, 0, 0]) + owner.managed_sid + bytes(32)),
+        owner.session_packet(0, ipmi_request(0x00, 0x01)),
+        owner.session_packet(0, ipmi_request(0x00, 0x09, b"\x05\x00\x00")),
+        owner.session_packet(0, ipmi_request(0x00, 0x02, b"\x01")),  # power up, were it to pass integrity
+    ]
+
+
+def sync(console: Console) -> int:
+    """Wait until the BMC has read everything `console` sent: its pong to a presence ping comes after. Returns
+    how many other (well-formed) answers arrived meanwhile."""
+    ping = bytes([6, 0, 0xFF, 6]) + struct.pack(">IBBBB", 4542, 0x80, 0x5A, 0, 0)
+    others = 0
+    console.sock.settimeout(1)
+    try:
+        for _ in range(10):  # the ping itself may be lost to a full socket buffer
+            console.send(ping)
+            while True:
+                try:
+                    answer, _ = console.sock.recvfrom(4096)
+                except TimeoutError:
+                    break
+                if answer[3] == 6 and answer[9] == 0x5A:
+                    return others
+                assert well_formed(answer), answer.hex()
+                others += 1
+        raise AssertionError("the BMC stopped answering presence pings")
+    finally:
+        console.sock.setblocking(False)
+
+
+def well_formed(answer: bytes) -> bool:
+    """An RMCP packet the BMC may send: an ASF pong, a session-less IPMI v1.5 or RMCP+ answer whose length field
+    matches, or an RMCP+ session setup message."""
+    if len(answer) < 12 or answer[:3] != bytes([6, 0, 0xFF]):
+        return False
+    if answer[3] == 6:
+        return answer[8] == 0x40  # Presence Pong
+    if answer[3] != 7:
+        return False
+    if answer[4] == 6:
+        (length,) = struct.unpack_from("<H", answer, 14)
+        return len(answer) >= 16 + length and (answer[5] & 0x3F) in (0x00, 0x11, 0x13, 0x15)
+    return len(answer) == 14 + answer[13]
+
+
+def test_fuzz_random_and_mutated_datagrams(bmc: IpmiServer, machine: MemoryMachine,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """3,000 seeded datagrams. The BMC never dies and never logs a traceback; whatever it answers is a
+    well-formed RMCP packet; afterwards the session it was fed and a fresh ipmitool both work. Mutated session
+    packets fail their integrity check, so nothing the fuzzer sends can change the machine."""
+    rng = random.Random(20261123)
+    caplog.set_level(logging.WARNING)
+    with Console(bmc.address, timeout=0.0) as owner, Console(bmc.address, ATTACKER, timeout=0.0) as fuzzer:
+        owner.sock.settimeout(2)
+        assert owner.login(USER, PASSWORD) == (4, 0)
+        corpus = fuzz_corpus(owner)
+        fuzzer.sock.setblocking(False)
+        answers = 0
+        for i in range(3000):
+            packet = rng.randbytes(rng.randint(0, 300)) if i % 4 == 0 else _mutate(rng, rng.choice(corpus))
+            fuzzer.send(packet)
+            if i % 200 == 199:
+                answers += sync(fuzzer)
+            while True:
+                try:
+                    answer, _ = fuzzer.sock.recvfrom(4096)
+                except BlockingIOError:
+                    break
+                answers += 1
+                assert well_formed(answer), answer.hex()
+        answer = owner.request(*GET_DEVICE_ID, seq=9, attempts=5)
+        assert answer is not None and completion(answer.payload) == 0
+    assert "Chassis Power is off" in ok(ipmitool(bmc, "power", "status"))
+    assert machine.power_state() == PowerState.OFF
+    assert answers > 0
+    assert not [r for r in caplog.records if r.name.startswith("vbmc.ipmi") and r.exc_info]
