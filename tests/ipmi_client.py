@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import random
 import socket
 import struct
 from dataclasses import dataclass
@@ -155,3 +156,86 @@ class Console:
             if answer is not None:
                 return answer
         return None
+
+
+# ---- fuzzing material, shared by tests/test_ipmi_hostile.py and bench/ipmi_fuzz.py
+
+
+def mutate(rng: random.Random, packet: bytes) -> bytes:
+    """`packet` with one to four random changes (never none: an unchanged session packet would be a replay)."""
+    while (mutated := _changed(rng, packet)) == packet:
+        pass
+    return mutated
+
+
+def _changed(rng: random.Random, packet: bytes) -> bytes:
+    data = bytearray(packet)
+    for _ in range(rng.randint(1, 4)):
+        choice = rng.random()
+        if choice < 0.4 and data:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        elif choice < 0.6 and data:
+            del data[rng.randrange(len(data)):]
+        elif choice < 0.8:
+            data += rng.randbytes(rng.randint(1, 64))
+        elif data:
+            position = rng.randrange(len(data))
+            data[position:position] = rng.randbytes(rng.randint(1, 8))
+    return bytes(data)
+
+
+def fuzz_corpus(owner: Console) -> list[bytes]:
+    """Well-formed datagrams of every kind the BMC takes, to mutate: pings, session-less requests, session
+    setup, and authenticated session packets of the live session."""
+    rmcp_plus = bytes([6, 0, 0xFF, 7, 6])
+    ping = bytes([6, 0, 0xFF, 6]) + struct.pack(">IBBBB", 4542, 0x80, 7, 0, 0)
+    auth_caps = ipmi_request(0x06, 0x38, b"\x8e\x04")
+    return [
+        ping,
+        bytes([6, 0, 0xFF, 7, 0]) + bytes(8) + bytes([len(auth_caps)]) + auth_caps,
+        rmcp_plus + bytes([0]) + bytes(8) + struct.pack("<H", len(auth_caps)) + auth_caps,
+        setup_packet(OPEN_REQUEST, open_session_request(b"\x05\x06\x07\x08")),
+        setup_packet(RAKP1, bytes([1, 0, 0, 0]) + owner.managed_sid + bytes(16) + bytes([4, 0, 0, 5]) + b"admin"),
+        setup_packet(RAKP3, bytes([2, 0, 0, 0]) + owner.managed_sid + bytes(32)),
+        owner.session_packet(0, ipmi_request(0x00, 0x01)),
+        owner.session_packet(0, ipmi_request(0x00, 0x09, b"\x05\x00\x00")),
+        owner.session_packet(0, ipmi_request(0x00, 0x02, b"\x01")),  # power up, were it to pass integrity
+    ]
+
+
+def well_formed(answer: bytes) -> bool:
+    """An RMCP packet the BMC may send: an ASF pong, a session-less IPMI v1.5 or RMCP+ answer whose length field
+    matches, or an RMCP+ session setup message."""
+    if len(answer) < 12 or answer[:3] != bytes([6, 0, 0xFF]):
+        return False
+    if answer[3] == 6:
+        return answer[8] == 0x40  # Presence Pong
+    if answer[3] != 7:
+        return False
+    if answer[4] == 6:
+        (length,) = struct.unpack_from("<H", answer, 14)
+        return len(answer) >= 16 + length and (answer[5] & 0x3F) in (0x00, 0x11, 0x13, 0x15)
+    return len(answer) == 14 + answer[13]
+
+
+def sync(console: Console) -> int:
+    """Wait until the BMC has read everything `console` sent: its pong to a presence ping comes after. Returns
+    how many other (well-formed) answers arrived meanwhile."""
+    ping = bytes([6, 0, 0xFF, 6]) + struct.pack(">IBBBB", 4542, 0x80, 0x5A, 0, 0)
+    others = 0
+    console.sock.settimeout(1)
+    try:
+        for _ in range(10):  # the ping itself may be lost to a full socket buffer
+            console.send(ping)
+            while True:
+                try:
+                    answer, _ = console.sock.recvfrom(4096)
+                except TimeoutError:
+                    break
+                if answer[3] == 6 and answer[9] == 0x5A:
+                    return others
+                assert well_formed(answer), answer.hex()
+                others += 1
+        raise AssertionError("the BMC stopped answering presence pings")
+    finally:
+        console.sock.setblocking(False)

@@ -16,12 +16,24 @@ from collections.abc import Iterator
 import pytest
 
 from vbmc.ipmi import IpmiServer
-from vbmc.ipmi.server import MAX_OPENING_PER_SOURCE, MAX_SESSIONS
+from vbmc.ipmi.server import MAX_OPENING_PER_SOURCE, MAX_SESSIONS, OPENING_TIMEOUT
 from vbmc.machine import PowerState
 from vbmc.memory import MemoryMachine
 from vbmc.throttle import FREE_FAILURES, Engaged, LoginThrottle
 
-from .ipmi_client import OPEN_REQUEST, RAKP1, RAKP3, Console, ipmi_request, open_session_request, setup_packet
+from .conftest import wait_for
+from .ipmi_client import (
+    OPEN_REQUEST,
+    RAKP1,
+    RAKP3,
+    Console,
+    fuzz_corpus,
+    mutate,
+    open_session_request,
+    setup_packet,
+    sync,
+    well_formed,
+)
 from .test_ipmi import PASSWORD, USER, ipmitool, ok
 
 ATTACKER = "127.0.0.2"
@@ -163,6 +175,22 @@ def test_rakp_messages_that_name_an_active_session_change_nothing(bmc: IpmiServe
         assert answer is not None and completion(answer.payload) == 0
 
 
+def test_a_half_open_session_lives_seconds_and_one_abandoned_after_rakp_2_is_a_failed_login(
+        bmc: IpmiServer) -> None:
+    """RAKP 2 carries an HMAC of the password: a console that takes it and never answers with RAKP 3 may be
+    testing passwords offline, so it is counted like a wrong password once its half-open session expires."""
+    with Console(bmc.address, ATTACKER) as waiting, Console(bmc.address, ATTACKER) as harvester:
+        assert waiting.open_session() is not None
+        assert harvester.open_session() is not None
+        harvester.send(setup_packet(RAKP1, bytes([1, 0, 0, 0]) + harvester.managed_sid + bytes(16)
+                                    + bytes([4, 0, 0, len(USER)]) + USER.encode()))
+        rakp2 = harvester.receive()
+        assert rakp2 is not None and rakp2.payload[1] == 0
+        wait_for(lambda: bmc.throttle.failures_total.get("ipmi") == 1, timeout=OPENING_TIMEOUT + 5,
+                 what="the abandoned RAKP exchange to count as a failed login")
+        assert waiting.authenticate(USER, PASSWORD) == (2, 0x02)  # expired: invalid session ID
+
+
 # ---- requests inside a session
 
 
@@ -211,7 +239,7 @@ def test_wrong_passwords_over_rakp_are_slowed_and_the_owner_elsewhere_gets_in_at
     try:
         outcomes = []
         with Console(server.address, ATTACKER) as attacker:
-            for _ in range(200):
+            for _ in range(1000):
                 outcomes.append(attacker.login(USER, "wrong-password"))
             checked = outcomes.count((4, STATUS_INVALID_INTEGRITY_CHECK_VALUE))
             # A handful of guesses were checked (the free ones, one more per lockout that ran out); the rest were
@@ -254,86 +282,6 @@ def test_an_unknown_user_counts_as_a_failed_login(bmc: IpmiServer) -> None:
 # ---- fuzz: random and mutated datagrams
 
 
-def _mutate(rng: random.Random, packet: bytes) -> bytes:
-    """`packet` with one to four random changes (never none: an unchanged session packet would be a replay)."""
-    while (mutated := _changed(rng, packet)) == packet:
-        pass
-    return mutated
-
-
-def _changed(rng: random.Random, packet: bytes) -> bytes:
-    data = bytearray(packet)
-    for _ in range(rng.randint(1, 4)):
-        choice = rng.random()
-        if choice < 0.4 and data:
-            data[rng.randrange(len(data))] = rng.randrange(256)
-        elif choice < 0.6 and data:
-            del data[rng.randrange(len(data)):]
-        elif choice < 0.8:
-            data += rng.randbytes(rng.randint(1, 64))
-        elif data:
-            position = rng.randrange(len(data))
-            data[position:position] = rng.randbytes(rng.randint(1, 8))
-    return bytes(data)
-
-
-def fuzz_corpus(owner: Console) -> list[bytes]:
-    """Well-formed datagrams of every kind the BMC takes, to mutate: pings, session-less requests, session
-    setup, and authenticated session packets of the live session."""
-    rmcp_plus = bytes([6, 0, 0xFF, 7, 6])
-    ping = bytes([6, 0, 0xFF, 6]) + struct.pack(">IBBBB", 4542, 0x80, 7, 0, 0)
-    auth_caps = ipmi_request(0x06, 0x38, b"\x8e\x04")
-    return [
-        ping,
-        bytes([6, 0, 0xFF, 7, 0]) + bytes(8) + bytes([len(auth_caps)]) + auth_caps,
-        rmcp_plus + bytes([0]) + bytes(8) + struct.pack("<H", len(auth_caps)) + auth_caps,
-        setup_packet(OPEN_REQUEST, open_session_request(b"\x05\x06\x07\x08")),
-        setup_packet(RAKP1, bytes([1, 0, 0, 0]) + owner.managed_sid + bytes(16) + bytes([4, 0, 0, 5]) + b"admin"),
-        setup_packet(RAKP3, bytes([2, 0, 0, 0]) + owner.managed_sid + bytes(32)),
-        owner.session_packet(0, ipmi_request(0x00, 0x01)),
-        owner.session_packet(0, ipmi_request(0x00, 0x09, b"\x05\x00\x00")),
-        owner.session_packet(0, ipmi_request(0x00, 0x02, b"\x01")),  # power up, were it to pass integrity
-    ]
-
-
-def sync(console: Console) -> int:
-    """Wait until the BMC has read everything `console` sent: its pong to a presence ping comes after. Returns
-    how many other (well-formed) answers arrived meanwhile."""
-    ping = bytes([6, 0, 0xFF, 6]) + struct.pack(">IBBBB", 4542, 0x80, 0x5A, 0, 0)
-    others = 0
-    console.sock.settimeout(1)
-    try:
-        for _ in range(10):  # the ping itself may be lost to a full socket buffer
-            console.send(ping)
-            while True:
-                try:
-                    answer, _ = console.sock.recvfrom(4096)
-                except TimeoutError:
-                    break
-                if answer[3] == 6 and answer[9] == 0x5A:
-                    return others
-                assert well_formed(answer), answer.hex()
-                others += 1
-        raise AssertionError("the BMC stopped answering presence pings")
-    finally:
-        console.sock.setblocking(False)
-
-
-def well_formed(answer: bytes) -> bool:
-    """An RMCP packet the BMC may send: an ASF pong, a session-less IPMI v1.5 or RMCP+ answer whose length field
-    matches, or an RMCP+ session setup message."""
-    if len(answer) < 12 or answer[:3] != bytes([6, 0, 0xFF]):
-        return False
-    if answer[3] == 6:
-        return answer[8] == 0x40  # Presence Pong
-    if answer[3] != 7:
-        return False
-    if answer[4] == 6:
-        (length,) = struct.unpack_from("<H", answer, 14)
-        return len(answer) >= 16 + length and (answer[5] & 0x3F) in (0x00, 0x11, 0x13, 0x15)
-    return len(answer) == 14 + answer[13]
-
-
 def test_fuzz_random_and_mutated_datagrams(bmc: IpmiServer, machine: MemoryMachine,
                                            caplog: pytest.LogCaptureFixture) -> None:
     """3,000 seeded datagrams. The BMC never dies and never logs a traceback; whatever it answers is a
@@ -348,7 +296,7 @@ def test_fuzz_random_and_mutated_datagrams(bmc: IpmiServer, machine: MemoryMachi
         fuzzer.sock.setblocking(False)
         answers = 0
         for i in range(3000):
-            packet = rng.randbytes(rng.randint(0, 300)) if i % 4 == 0 else _mutate(rng, rng.choice(corpus))
+            packet = rng.randbytes(rng.randint(0, 300)) if i % 4 == 0 else mutate(rng, rng.choice(corpus))
             fuzzer.send(packet)
             if i % 200 == 199:
                 answers += sync(fuzzer)

@@ -183,19 +183,20 @@ class IpmiServer:
             try:
                 packet, sockaddr = sock.recvfrom(RECEIVE_SIZE)
             except TimeoutError:
-                continue
+                packet = b""
             except OSError:
                 if self._stopping.is_set():
                     return
                 log.exception("ipmi receive failed vm=%s", self._vm)
                 continue
-            try:
-                self._datagram(packet, sockaddr)
-            except Exception:  # a malformed packet must never stop the BMC
-                log.warning("ipmi dropped a packet vm=%s client=%s size=%d", self._vm, _client(sockaddr),
-                            len(packet), exc_info=log.isEnabledFor(logging.DEBUG))
+            if packet:
+                try:
+                    self._datagram(packet, sockaddr)
+                except Exception:  # a malformed packet must never stop the BMC
+                    log.warning("ipmi dropped a packet vm=%s client=%s size=%d", self._vm, _client(sockaddr),
+                                len(packet), exc_info=log.isEnabledFor(logging.DEBUG))
             now = time.monotonic()
-            if now >= self._next_sweep:
+            if now >= self._next_sweep:  # also when idle: an abandoned RAKP exchange counts as a failed login
                 self._expire_sessions(now)
 
     def _datagram(self, packet: bytes, sockaddr: Any) -> None:
