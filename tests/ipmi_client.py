@@ -152,9 +152,11 @@ class Console:
         packet = self.session_packet(0, ipmi_request(netfn, command, data, seq))
         for _ in range(attempts):
             self.send(packet)
-            answer = self.receive()
-            if answer is not None:
-                return answer
+            while (answer := self.receive()) is not None:
+                # The answer to this request: an answer to anything else still in the socket is skipped.
+                if answer.payload_type == 0 and len(answer.payload) >= 7 and answer.payload[4] >> 2 == seq \
+                        and answer.payload[5] == command:
+                    return answer
         return None
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from vbmc.ipmi import IpmiServer
 from vbmc.ipmi.server import MAX_OPENING_PER_SOURCE, MAX_SESSIONS, OPENING_TIMEOUT
-from vbmc.machine import PowerState
+from vbmc.machine import PowerState, ResetType
 from vbmc.memory import MemoryMachine
 from vbmc.throttle import FREE_FAILURES, Engaged, LoginThrottle
 
@@ -28,6 +28,7 @@ from .ipmi_client import (
     RAKP3,
     Console,
     fuzz_corpus,
+    ipmi_request,
     mutate,
     open_session_request,
     setup_packet,
@@ -192,6 +193,28 @@ def test_a_half_open_session_lives_seconds_and_one_abandoned_after_rakp_2_is_a_f
 
 
 # ---- requests inside a session
+
+
+def test_a_replayed_session_packet_is_not_taken_twice(bmc: IpmiServer, machine: MemoryMachine) -> None:
+    """The integrity code covers the session header and payload, not the RMCP header: a copy with its reserved
+    RMCP byte changed is still the same packet, and a session sequence number is taken once (section 13.28.4)."""
+    with Console(bmc.address, timeout=0.5) as owner:
+        assert owner.login(USER, PASSWORD) == (4, 0)
+        raise_privilege = owner.session_packet(0, ipmi_request(0x06, 0x3B, b"\x04", seq=1))  # to Administrator
+        owner.send(raise_privilege)
+        assert owner.receive() is not None
+        power_off = owner.session_packet(0, ipmi_request(0x00, 0x02, b"\x00", seq=2))
+        machine.reset(ResetType.ON)
+        owner.send(power_off)
+        assert owner.receive() is not None
+        assert machine.power_state() == PowerState.OFF
+        machine.reset(ResetType.ON)
+        for replay in (power_off, power_off[:1] + b"\x5a" + power_off[2:]):
+            owner.send(replay)
+            assert owner.receive() is None
+        assert machine.power_state() == PowerState.ON
+        answer = owner.request(*GET_DEVICE_ID, seq=3)
+        assert answer is not None and completion(answer.payload) == 0
 
 
 @pytest.mark.parametrize("netfn", [0x3F, 0x3E, 0x07, 0x2F])

@@ -49,6 +49,7 @@ PAYLOAD_RAKP3 = 0x14
 AUTHENTICATED = 0x40  # payload type byte: the packet carries an integrity code
 ENCRYPTED = 0x80
 AES_BLOCK = 16
+REPLAY_WINDOW = 16  # session sequence numbers accepted behind the highest seen (section 13.28.4)
 MAX_USER_NAME = 16
 
 # Per authentication algorithm: the RAKP hash and the RAKP 4 integrity check length (section 13.28 and 13.31).
@@ -128,7 +129,8 @@ class RmcpPlusSession(serversession.ServerSession):
         self.lastpayload = None
         self.last_payload_type = None
         self.sol_handler = None
-        self.remseqnumber: int | None = None
+        self.remseqnumber: int | None = None  # the highest session sequence number accepted
+        self._seen = 0  # bit n: remseqnumber - n was accepted (replay window)
         self.sequencenumber = 0
         self.sessionid = 0
         self.integrityalgo = 0
@@ -205,8 +207,8 @@ class RmcpPlusSession(serversession.ServerSession):
         if struct.unpack_from("<I", packet, 6)[0] != self.localsid:
             return None
         sequence = int(struct.unpack_from("<I", packet, 10)[0])
-        if self.remseqnumber is not None and sequence < self.remseqnumber and self.remseqnumber != 0xFFFFFFFF:
-            return None  # a replayed packet
+        if not self._fresh(sequence):
+            return None  # a replayed packet, or one too far behind
         payload = bytes(packet[16:16 + length])
         if packet[5] & ENCRYPTED:
             if len(payload) < 2 * AES_BLOCK or len(payload) % AES_BLOCK:
@@ -217,8 +219,28 @@ class RmcpPlusSession(serversession.ServerSession):
             if pad >= len(clear):
                 return None
             payload = clear[:-pad - 1]
-        self.remseqnumber = sequence
+        self._accept(sequence)
         return rmcp.parse_message(payload)
+
+    def _fresh(self, sequence: int) -> bool:
+        """Section 13.28.4 asks for a sliding window on session sequence numbers: a packet up to REPLAY_WINDOW
+        behind the highest is taken once, a duplicate or an older one never. Only the integrity code protects the
+        session header and payload; bytes 0-3 (the RMCP header) may be changed in flight, so a changed copy of a
+        packet must still count as the same packet."""
+        if self.remseqnumber is None or sequence > self.remseqnumber:
+            return True
+        behind = self.remseqnumber - sequence
+        return behind < REPLAY_WINDOW and not self._seen >> behind & 1
+
+    def _accept(self, sequence: int) -> None:
+        if self.remseqnumber is None:
+            self.remseqnumber, self._seen = sequence, 1
+        elif sequence > self.remseqnumber:
+            shift = sequence - self.remseqnumber
+            self._seen = (self._seen << shift | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
+            self.remseqnumber = sequence
+        else:
+            self._seen |= 1 << (self.remseqnumber - sequence)
 
     # ---- opening (section 13.17)
 
