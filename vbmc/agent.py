@@ -123,8 +123,11 @@ class Agent:
             return
         message = (f"{engaged.failures} failed {engaged.protocol} logins from {engaged.source}; its logins are "
                    f"refused for {engaged.delay:.0f} s, longer after each further failure")
-        threading.Thread(target=machine.record_event, args=("LoginThrottled", message, "Warning"),
-                         name="login-throttled-event", daemon=True).start()
+
+        def post() -> None:
+            machine.record_event("LoginThrottled", message, "Warning")
+
+        threading.Thread(target=post, name="login-throttled-event", daemon=True).start()
 
     def build_machine(self) -> Machine:
         c = self.config
