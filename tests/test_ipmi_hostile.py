@@ -100,16 +100,17 @@ def test_one_source_holds_at_most_a_few_half_open_sessions(bmc: IpmiServer) -> N
             console.close()
 
 
-def test_a_continuous_flood_from_another_address_leaves_ipmitool_working(bmc: IpmiServer,
-                                                                         machine: MemoryMachine) -> None:
+@pytest.mark.parametrize("addresses", [1, 32])
+def test_a_continuous_flood_from_other_addresses_leaves_ipmitool_working(bmc: IpmiServer, machine: MemoryMachine,
+                                                                         addresses: int) -> None:
     stop = threading.Event()
     sent = [0]
 
     def flood() -> None:
         sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(32)]
         try:
-            for sock in sockets:
-                sock.bind((ATTACKER, 0))
+            for i, sock in enumerate(sockets):
+                sock.bind((ATTACKER if addresses == 1 else f"127.0.2.{i % addresses + 1}", 0))
             # About 3,000 requests a second, each from a new port: the table would be refilled every 10 ms. Paced,
             # so that what is tested is the session table, not the socket buffer (any UDP service loses packets
             # to a flood faster than it can read).
