@@ -198,7 +198,7 @@ def test_a_half_open_session_lives_seconds_and_one_abandoned_after_rakp_2_is_a_f
 
 def test_a_replayed_session_packet_is_not_taken_twice(bmc: IpmiServer, machine: MemoryMachine) -> None:
     """The integrity code covers the session header and payload, not the RMCP header: a copy with its reserved
-    RMCP byte changed is still the same packet, and a session sequence number is taken once (section 13.28.4)."""
+    RMCP byte changed is still the same packet, and a session sequence number is taken once."""
     with Console(bmc.address, timeout=0.5) as owner:
         assert owner.login(USER, PASSWORD) == (4, 0)
         raise_privilege = owner.session_packet(0, ipmi_request(0x06, 0x3B, b"\x04", seq=1))  # to Administrator
@@ -239,8 +239,8 @@ def test_ipmitool_raw_netfn_3fh_gets_invalid_command(bmc: IpmiServer) -> None:
 @pytest.mark.parametrize("payload_type", [0x01, 0x02, 0x11, 0x13, 0x15, 0x3F])
 def test_a_payload_type_a_bmc_does_not_take_is_discarded_quietly_and_the_session_keeps_serving(
         bmc: IpmiServer, payload_type: int, caplog: pytest.LogCaptureFixture) -> None:
-    """Section 13.27.3 defines no error answer for such a payload in a session: it is discarded, counted, and
-    leaves neither a traceback in the log nor a broken session."""
+    """IPMI v2.0 has error answers (RMCP+ status codes) for session setup messages only, none for such a payload
+    in a session: it is discarded, counted, and leaves neither a warning in the log nor a broken session."""
     caplog.set_level(logging.DEBUG, logger="vbmc.ipmi")
     with Console(bmc.address, timeout=0.5) as owner:
         assert owner.login(USER, PASSWORD) == (4, 0)

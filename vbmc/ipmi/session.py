@@ -49,7 +49,7 @@ PAYLOAD_RAKP3 = 0x14
 AUTHENTICATED = 0x40  # payload type byte: the packet carries an integrity code
 ENCRYPTED = 0x80
 AES_BLOCK = 16
-REPLAY_WINDOW = 16  # session sequence numbers accepted behind the highest seen (section 13.28.4)
+REPLAY_WINDOW = 16  # session sequence numbers accepted (once) behind the highest seen
 MAX_USER_NAME = 16
 
 # Per authentication algorithm: the RAKP hash and the RAKP 4 integrity check length (section 13.28 and 13.31).
@@ -173,8 +173,9 @@ class RmcpPlusSession(serversession.ServerSession):
 
     def receive(self, packet: bytes) -> bool:
         """A datagram for this session (RMCP+ session header); False when it was discarded unread: a payload type
-        a BMC does not take in a session (table 13-16: SOL is never activated here; Open Session Response, RAKP 2
-        and 4 only travel to a console; OEM payloads), a truncated packet, a failed integrity check."""
+        a BMC does not take in a session (SOL, which is never activated here; OEM payloads; Open Session Response,
+        RAKP 2 and 4, which only travel to a console), a truncated packet, a failed check. The specification's error
+        answers (RMCP+ status codes) exist for session setup messages only, so these get none."""
         payload_type = packet[5] & 0x3F
         (length,) = struct.unpack_from("<H", packet, 14)
         if len(packet) < 16 + length:
@@ -223,7 +224,7 @@ class RmcpPlusSession(serversession.ServerSession):
         return rmcp.parse_message(payload)
 
     def _fresh(self, sequence: int) -> bool:
-        """Section 13.28.4 asks for a sliding window on session sequence numbers: a packet up to REPLAY_WINDOW
+        """A sliding window on session sequence numbers, as IPMI v2.0 asks of a BMC: a packet up to REPLAY_WINDOW
         behind the highest is taken once, a duplicate or an older one never. Only the integrity code protects the
         session header and payload; bytes 0-3 (the RMCP header) may be changed in flight, so a changed copy of a
         packet must still count as the same packet."""
