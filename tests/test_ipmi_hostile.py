@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from vbmc.ipmi import IpmiServer
-from vbmc.ipmi.server import MAX_OPENING_PER_SOURCE, MAX_SESSIONS, OPENING_TIMEOUT
+from vbmc.ipmi.server import FULL, MAX_OPENING_PER_SOURCE, MAX_SESSIONS, OPENING_TIMEOUT, Slot, make_room
 from vbmc.machine import PowerState, ResetType
 from vbmc.memory import MemoryMachine
 from vbmc.throttle import FREE_FAILURES, Engaged, LoginThrottle
@@ -72,6 +72,23 @@ def completion(answer_payload: bytes) -> int:
 
 
 # ---- the session table
+
+
+def slot(session_id: int, source: str = "a", state: str = "opening", opened: float = 0.0) -> Slot:
+    return Slot(session_id, source, state == "active", state == "named", opened)
+
+
+@pytest.mark.parametrize(("slots", "source", "capacity", "expected"), [
+    ([], "a", 4, None),
+    ([slot(1, "b", "active")], "a", 4, None),  # a free slot
+    ([slot(1, "a", opened=1), slot(2, "a", opened=0), slot(3, "a", opened=2)], "a", 8, 2),  # its own oldest
+    ([slot(1, "a", opened=1), slot(2, "a", opened=0), slot(3, "a", opened=2)], "b", 8, None),  # not another's
+    ([slot(1, "a", "active"), slot(2, "b", "named", 0), slot(3, "c", opened=5), slot(4, "d", opened=4)], "e", 4, 4),
+    ([slot(1, "a", "active"), slot(2, "b", "named", 0)], "e", 2, 2),  # one that named a user, if nothing else
+    ([slot(1, "a", "active"), slot(2, "b", "active")], "e", 2, FULL),  # never an authenticated one
+])
+def test_make_room(slots: list[Slot], source: str, capacity: int, expected: int | None) -> None:
+    assert make_room(slots, source, capacity=capacity, per_source=3) == expected
 
 
 def test_unauthenticated_open_session_requests_from_many_ports_do_not_lock_the_owner_out(bmc: IpmiServer) -> None:

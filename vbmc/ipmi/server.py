@@ -87,6 +87,7 @@ class IpmiServer:
         self._next_sweep = 0.0
         # What the session table did under pressure, and packets dropped unread (for tests and the log).
         self.counters: dict[str, int] = {"evicted": 0, "refused_full": 0, "discarded": 0}
+        self._full_logged = float("-inf")
         # Chassis state the Machine does not model: identify LED and boot option parameters 0, 3 and 4.
         self._identify_until = 0.0
         self._identify_forced = False
@@ -234,6 +235,7 @@ class IpmiServer:
         error = setup_error(payload_type, payload, STATUS_INVALID_SESSION_ID)
         if error is not None:
             self._send(rmcp.session_setup_packet(*error), sockaddr)
+
     def _send(self, packet: bytes, sockaddr: Any) -> None:
         assert self._socket is not None
         try:
@@ -273,22 +275,22 @@ class IpmiServer:
                 session.repeat_open_response()
                 return
         refuse: int | None = None
-        source = source_key(_host(sockaddr))
         if self.throttle.retry_after(_host(sockaddr)) > 0:
             self.throttle.refused("ipmi")
             refuse = STATUS_INSUFFICIENT_RESOURCES
         else:
-            own = [s for s in opening if source_key(_host(s.sockaddr)) == source]
-            if len(own) >= MAX_OPENING_PER_SOURCE:
-                self._evict(min(own, key=_eviction_order))
-            elif len(self._sessions) >= MAX_SESSIONS:
-                if opening:
-                    self._evict(min(opening, key=_eviction_order))
-                else:
-                    self.counters["refused_full"] += 1
+            slots = [Slot(sid, source_key(_host(s.sockaddr)), s.active, s.state is State.AUTHENTICATING, s.opened)
+                     for sid, s in self._sessions.items()]
+            room = make_room(slots, source_key(_host(sockaddr)))
+            if room == FULL:
+                self.counters["refused_full"] += 1
+                if now - self._full_logged > 60:  # a client retrying must not fill the log
+                    self._full_logged = now
                     log.warning("ipmi session table full vm=%s client=%s: %d authenticated sessions", self._vm,
                                 _client(sockaddr), len(self._sessions))
-                    refuse = STATUS_INSUFFICIENT_RESOURCES
+                refuse = STATUS_INSUFFICIENT_RESOURCES
+            elif room is not None:
+                self._evict(self._sessions[room])
         session_id = nonzero_session_id()
         while int.from_bytes(session_id, "little") in self._sessions:
             session_id = nonzero_session_id()
@@ -495,10 +497,37 @@ class IpmiServer:
         return Reply(Completion.OK, codec.boot_option(parameter, value))
 
 
-def _eviction_order(session: RmcpPlusSession) -> tuple[bool, float]:
-    """Which half-open session goes first: one still waiting for RAKP 1 before one that named a user, then the
-    oldest."""
-    return session.state is State.AUTHENTICATING, session.opened
+class Slot(NamedTuple):
+    """What the session table's admission policy looks at in a session."""
+
+    session_id: int
+    source: str  # source_key of its address
+    active: bool  # authenticated
+    named_user: bool  # half-open, RAKP 1 received
+    opened: float
+
+
+FULL = -1  # make_room's answer when every slot is authenticated
+
+
+def make_room(slots: list[Slot], source: str, capacity: int = MAX_SESSIONS,
+              per_source: int = MAX_OPENING_PER_SOURCE) -> int | None:
+    """Where a new half-open session from `source` goes: None for a free slot, else the ID of the half-open
+    session it replaces (`source`'s own oldest once it holds `per_source`, else the oldest of all, one still
+    waiting for RAKP 1 before one that named a user), or FULL when every slot is authenticated."""
+    opening = [slot for slot in slots if not slot.active]
+    own = [slot for slot in opening if slot.source == source]
+    if len(own) >= per_source:
+        return min(own, key=_eviction_order).session_id
+    if len(slots) < capacity:
+        return None
+    if not opening:
+        return FULL
+    return min(opening, key=_eviction_order).session_id
+
+
+def _eviction_order(slot: Slot) -> tuple[bool, float]:
+    return slot.named_user, slot.opened
 
 
 def _host(sockaddr: Any) -> str:
