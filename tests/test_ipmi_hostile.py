@@ -297,6 +297,19 @@ def test_wrong_passwords_over_rakp_are_slowed_and_the_owner_elsewhere_gets_in_at
         server.stop()
 
 
+def test_a_client_that_checks_rakp_2_itself_is_throttled_without_sending_rakp_3(bmc: IpmiServer) -> None:
+    """ipmitool with a wrong password finds RAKP 2's HMAC wrong and stops: the guess was tested offline. Each RAKP 2
+    counts against its source when it goes out, so guessing this way is slowed just the same."""
+    for _ in range(FREE_FAILURES + 1):
+        result = ipmitool(bmc, "power", "status", password="wrong-password", extra=("-v",))
+        assert "RAKP 2 HMAC is invalid" in result.stderr
+    refused = ipmitool(bmc, "power", "status")  # the right password, from the locked-out 127.0.0.1
+    assert refused.returncode != 0
+    assert "insufficient resources for session" in refused.stderr
+    with Console(bmc.address, "127.0.0.4") as owner:  # elsewhere: at once
+        assert owner.login(USER, PASSWORD) == (4, 0)
+
+
 def test_a_lockout_runs_out_and_a_success_clears_the_record(machine: MemoryMachine) -> None:
     clock = Clock()
     server = IpmiServer(machine, USER, PASSWORD, address=("127.0.0.1", 0), throttle=LoginThrottle(clock=clock))

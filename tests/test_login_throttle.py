@@ -21,7 +21,6 @@ from vbmc.memory import MemoryMachine
 from vbmc.redfish import create_app
 from vbmc.throttle import FREE_FAILURES, MAX_DELAY, Engaged, LoginThrottle, lockout, source_key
 
-from .agents import PASSWORD as AGENT_PASSWORD
 from .agents import USER as AGENT_USER
 from .agents import AgentProcess
 from .conftest import Sim, call, wait_for
@@ -236,14 +235,21 @@ def test_the_agent_throttles_over_both_protocols_and_says_so_in_an_event(agent: 
     with Console(("127.0.0.1", agent.ipmi_port), "127.0.0.3") as attacker:
         for _ in range(FREE_FAILURES + 1):
             assert attacker.login(AGENT_USER, "wrong-password") == (4, 0x0F)
-    # The same address over Redfish is locked out by its IPMI failures.
-    connection = http.client.HTTPConnection("127.0.0.1", agent.http_port, timeout=5,
-                                            source_address=("127.0.0.3", 0))
-    try:
-        connection.request("GET", "/redfish/v1/Systems/vm", headers=basic(AGENT_USER, AGENT_PASSWORD))
-        assert connection.getresponse().status == 429
-    finally:
-        connection.close()
+    # The same address over Redfish is locked out by its IPMI failures: 429 at once, or, should the first lockout
+    # (1 s) run out on a loaded machine before the request arrives, within fewer wrong passwords than Redfish alone
+    # would need.
+    statuses = []
+    for password in ("wrong-password", "wrong-password", "wrong-password"):
+        connection = http.client.HTTPConnection("127.0.0.1", agent.http_port, timeout=5,
+                                                source_address=("127.0.0.3", 0))
+        try:
+            connection.request("GET", "/redfish/v1/Systems/vm", headers=basic(AGENT_USER, password))
+            statuses.append(connection.getresponse().status)
+        finally:
+            connection.close()
+        if statuses[-1] == 429:
+            break
+    assert statuses[-1] == 429, statuses
     assert agent.ipmitool("power", "status").returncode == 0  # the owner from 127.0.0.1
 
     def warning() -> dict[str, Any] | None:
@@ -259,3 +265,4 @@ def test_the_agent_throttles_over_both_protocols_and_says_so_in_an_event(agent: 
         metrics = resp.read().decode()
     assert f'kubevbmc_login_failures_total{{protocol="ipmi"}} {FREE_FAILURES + 1}' in metrics
     assert 'kubevbmc_login_throttled_total{protocol="redfish-basic"} 1' in metrics
+    assert 'kubevbmc_login_throttle_sources 1' in metrics

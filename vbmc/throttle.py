@@ -78,7 +78,8 @@ class LoginThrottle:
     """Per-source failed-login backoff, shared by every protocol of one agent (thread-safe).
 
     `retry_after(address)` before checking credentials: > 0 means refuse now and tell the client to come back in
-    that many seconds. Then `failed(...)` or `succeeded(address)`. `on_engaged` is called (rate-limited per source
+    that many seconds. Then `failed(...)` or `succeeded(address)` (IPMI: `charge(...)` first, see there).
+    `on_engaged` is called (rate-limited per source
     and overall) when a failure locks a source out; it must not block (the agent hands it to a thread)."""
 
     def __init__(self, *, free_failures: int = FREE_FAILURES, base_delay: float = BASE_DELAY,
@@ -112,13 +113,29 @@ class LoginThrottle:
         with self._lock:
             self.refused_total[protocol] = self.refused_total.get(protocol, 0) + 1
 
-    def failed(self, address: str, protocol: str, user: str = "") -> float:
-        """A login from `address` failed; returns the lockout it now has (0 while it has free failures left)."""
+    def failed(self, address: str, protocol: str, user: str = "", charged: bool = False) -> float:
+        """A login from `address` failed; returns the lockout it now has (0 while it has free failures left).
+        `charged`: the attempt was counted against its source when it began (see charge()), so only the metrics
+        learn of it now."""
+        if charged:
+            with self._lock:
+                self.failures_total[protocol] = self.failures_total.get(protocol, 0) + 1
+            return self.retry_after(address)
+        return self._count(address, protocol, user, failure=True)
+
+    def charge(self, address: str, protocol: str, user: str = "") -> float:
+        """An attempt that counts as failed unless succeeded() follows. IPMI's RAKP 2 carries an HMAC of the
+        password that the client can check offline, so a guesser learns the outcome without ever sending RAKP 3:
+        the attempt has to count when RAKP 2 goes out. Returns the lockout the source now has."""
+        return self._count(address, protocol, user, failure=False)
+
+    def _count(self, address: str, protocol: str, user: str, failure: bool) -> float:
         key = source_key(address)
         now = self._clock()
         engaged: Engaged | None = None
         with self._lock:
-            self.failures_total[protocol] = self.failures_total.get(protocol, 0) + 1
+            if failure:
+                self.failures_total[protocol] = self.failures_total.get(protocol, 0) + 1
             record = self._records.pop(key, None)
             if record is None or now - record.last_failure > self.forget_after:
                 record = _Record()

@@ -333,9 +333,13 @@ class IpmiServer:
     def auth_succeeded(self, session: RmcpPlusSession) -> None:
         self.throttle.succeeded(_host(session.sockaddr))
 
+    def rakp2_sent(self, session: RmcpPlusSession) -> None:
+        self.throttle.charge(_host(session.sockaddr), "ipmi", session.username)
+
     def auth_failed(self, session: RmcpPlusSession, reason: str) -> None:
-        """The one place an IPMI login is decided to have failed: logged, and counted against its source."""
-        self.throttle.failed(_host(session.sockaddr), "ipmi", session.username)
+        """The one place an IPMI login is decided to have failed: logged, and counted against its source (unless
+        it was when its RAKP 2 went out)."""
+        self.throttle.failed(_host(session.sockaddr), "ipmi", session.username, charged=session.charged)
         log.warning("ipmi protocol=ipmi action=authenticate vm=%s user=%r client=%s result=%r", self._vm,
                     session.username, _client(session.sockaddr), reason,
                     extra={"protocol": "ipmi", "action": "authenticate", "vm": self._vm, "user": session.username,

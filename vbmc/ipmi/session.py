@@ -83,6 +83,10 @@ class SessionHost(Protocol):
 
     def auth_succeeded(self, session: RmcpPlusSession) -> None: ...
 
+    def rakp2_sent(self, session: RmcpPlusSession) -> None:
+        """RAKP 2 is going out: from here on the client can test a password offline."""
+        ...
+
     def handle_request(self, session: RmcpPlusSession, netfn: int, command: int, data: bytes) -> Reply: ...
 
     def auth_failed(self, session: RmcpPlusSession, reason: str) -> None: ...
@@ -148,6 +152,7 @@ class RmcpPlusSession(serversession.ServerSession):
         self.max_privilege = Privilege.ADMINISTRATOR
         self.privilege = Privilege.USER
         self.opened = self.last_seen = time.monotonic()
+        self.charged = False  # counted against its source's login budget when RAKP 2 went out
         self.open_tag = -1
         self._console_sid = b"\0\0\0\0"
         self._managed_sid = managed_sid
@@ -309,6 +314,9 @@ class RmcpPlusSession(serversession.ServerSession):
             self._send_rakp2_error(tag, STATUS_UNAUTHORIZED_NAME)
             return
         self._kuid = password
+        if not self.charged:
+            self.host.rakp2_sent(self)
+            self.charged = True
         self.max_privilege = Privilege(requested)
         self._rc = os.urandom(16)
         rakp_hash, _ = RAKP_HASHES[self.suite.authentication]
