@@ -2,7 +2,8 @@
 
 1. Fuzz: N seeded datagrams (a quarter random bytes, the rest mutations of well-formed ones: pings, session-less
    requests, Open Session, RAKP 1/3, authenticated session packets of a live session) from 127.0.0.2. Every answer
-   must be a well-formed RMCP packet; every 500 datagrams a presence ping must come back (the BMC still reads).
+   must be a well-formed RMCP packet; every 100 datagrams a presence ping must come back (the BMC still reads, and
+   has read everything before it: the rate is what the BMC processed, not what the kernel dropped).
    Afterwards the session that was fed to the fuzzer and a fresh ipmitool must both work, the agent must be
    alive, its log free of tracebacks, and its memory about where it started.
 2. Flood: Open Session Requests from 64 ports of 127.0.0.2 for S seconds while ipmitool logs in from 127.0.0.1
@@ -115,7 +116,7 @@ def fuzz(port: int, pid: int, datagrams: int, seed: int) -> dict[str, object]:
         for i in range(datagrams):
             packet = rng.randbytes(rng.randint(0, 300)) if i % 4 == 0 else mutate(rng, rng.choice(corpus))
             fuzzer.send(packet)
-            if i % 500 == 499:
+            if i % 100 == 99:  # the BMC has read all before: nothing lost to a full socket buffer
                 synced = time.perf_counter()
                 answers += sync(fuzzer)
                 syncs.append(time.perf_counter() - synced)
