@@ -103,7 +103,11 @@ def test_memory_is_bounded_by_dropping_the_stalest_sources() -> None:
         clock.now += 0.001
         throttle.failed(f"10.0.{i // 256}.{i % 256}", "redfish-basic")
     assert throttle.sources() == 100
-    assert source_key("10.0.3.231") in throttle._records  # the last to fail is kept
+    for _ in range(FREE_FAILURES):
+        throttle.failed("10.0.3.231", "redfish-basic")  # the last to fail: its first failure is remembered
+        throttle.failed("10.0.0.0", "redfish-basic")  # the first: forgotten, so it starts afresh
+    assert throttle.retry_after("10.0.3.231") > 0
+    assert throttle.retry_after("10.0.0.0") == 0
 
 
 def test_warnings_are_rate_limited_per_source_and_overall() -> None:
