@@ -208,13 +208,13 @@ def reasons_in_code() -> set[str]:
 
 def events_in_code() -> set[str]:
     """Event reasons: `recorder.event(obj, type, "Reason", message)` in the controller and
-    `self._event("Reason", message)` in the agent."""
+    `self._event("Reason", message)` or `machine.record_event("Reason", message, type)` in the agent."""
     found = set()
     for path in python_files("controller", "vbmc"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
-            position = {"event": 2, "_event": 0}.get(node.func.attr)
+            position = {"event": 2, "_event": 0, "record_event": 0}.get(node.func.attr)
             reason = node.args[position] if position is not None and len(node.args) > position else None
             if isinstance(reason, ast.Constant) and isinstance(reason.value, str):
                 found.add(reason.value)

@@ -491,11 +491,14 @@ def test_garbage_datagrams_are_dropped_and_the_bmc_keeps_answering(bmc: IpmiServ
         bytes([6, 0, 0xFF, 7, 0]) + bytes(8) + b"\x07" + b"\x20\x18\x00\x81\x00\x38\x00",  # bad checksums
     ]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(2)
         for packet in garbage:
             sock.sendto(packet, address)
+        # RAKP 1 and 3 naming no session are answered "invalid session ID" (RAKP 2 and 4, status 02h).
+        answers = sorted((answer[5], answer[17]) for answer in (sock.recvfrom(512)[0] for _ in range(2)))
+        assert answers == [(0x13, 0x02), (0x15, 0x02)]
         # A client that opened a session and then sends junk inside it.
         sock.sendto(rmcp_plus + bytes([0x10]) + bytes(8) + b"\x20\x00" + open_session_request(17), address)
-        sock.settimeout(2)
         response, _ = sock.recvfrom(512)
         assert response[5] == 0x11 and response[17] == 0  # Open Session Response, status OK
         sock.sendto(rmcp_plus + bytes([0x12]) + bytes(8) + b"\x20\x00" + b"\x00" * 3, address)

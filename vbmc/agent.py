@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .machine import Machine
+from .throttle import Engaged, LoginThrottle
 
 log = logging.getLogger("vbmc.agent")
 
 HEALTH_PATHS = ("/healthz", "/readyz")
+METRICS_PATH = "/metrics"
 
 
 @dataclass
@@ -110,6 +112,22 @@ class Agent:
         self.ipmi: Any = None
         self._stop = threading.Event()
         self._ipmi_failed = ""
+        # One budget of failed logins per source address over IPMI and Redfish.
+        self.throttle = LoginThrottle(on_engaged=self._login_throttled)
+
+    def _login_throttled(self, engaged: Engaged) -> None:
+        """A Warning Event on the VirtualMachineBMC (at most one per source a minute, see vbmc/throttle.py),
+        posted from its own thread: the IPMI server answers every client from one thread."""
+        machine = self.machine
+        if machine is None:
+            return
+        message = (f"{engaged.failures} failed {engaged.protocol} logins from {engaged.source}; its logins are "
+                   f"refused for {engaged.delay:.0f} s, longer after each further failure")
+
+        def post() -> None:
+            machine.record_event("LoginThrottled", message, "Warning")
+
+        threading.Thread(target=post, name="login-throttled-event", daemon=True).start()
 
     def build_machine(self) -> Machine:
         c = self.config
@@ -145,10 +163,11 @@ class Agent:
         if c.ipmi_address:
             threading.Thread(target=self._start_ipmi, name="ipmi-start", daemon=True).start()
         if not c.redfish:
-            return _HealthEndpoints(_no_redfish, self.ready)
+            return _HealthEndpoints(_no_redfish, self.ready, self.throttle.metrics)
         bmc_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"kubevbmc:{c.namespace}/{c.vm}"))
-        app = create_app(self.machine, c.username, c.password, system_id=c.vm, bmc_uuid=bmc_uuid)
-        app.wsgi_app = _HealthEndpoints(app.wsgi_app, self.ready)
+        app = create_app(self.machine, c.username, c.password, system_id=c.vm, bmc_uuid=bmc_uuid,
+                         throttle=self.throttle)
+        app.wsgi_app = _HealthEndpoints(app.wsgi_app, self.ready, self.throttle.metrics)
         return app
 
     def _start_ipmi(self) -> None:
@@ -161,7 +180,7 @@ class Agent:
             if getattr(machine, "ready", True):
                 try:
                     server = IpmiServer(machine, self.config.username, self.config.password,
-                                        address=_host_port(self.config.ipmi_address))
+                                        address=_host_port(self.config.ipmi_address), throttle=self.throttle)
                     server.start()
                     self.ipmi = server
                     return
@@ -183,14 +202,21 @@ class Agent:
 
 
 class _HealthEndpoints:
-    """`/healthz` (the process serves) and `/readyz` (the VM is watched and IPMI is up), without auth."""
+    """`/healthz` (the process serves) and `/readyz` (the VM is watched and IPMI is up), without auth; `/metrics`
+    (failed and throttled logins, Prometheus text: counts only, no addresses or names)."""
 
-    def __init__(self, app: Any, ready: Callable[[], bool]) -> None:
+    def __init__(self, app: Any, ready: Callable[[], bool], metrics: Callable[[], str] | None = None) -> None:
         self.app = app
         self.ready = ready
+        self.metrics = metrics
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
+        if path == METRICS_PATH and self.metrics is not None:
+            text = self.metrics().encode()
+            start_response("200 OK", [("Content-Type", "text/plain; version=0.0.4"),
+                                      ("Content-Length", str(len(text)))])
+            return [text]
         if path not in HEALTH_PATHS:
             return self.app(environ, start_response)
         ok = path == "/healthz" or self.ready()

@@ -177,6 +177,9 @@ class KubeVirtMachine(Machine):
         self.vm_watch.wait(lambda o: (o or {}).get("spec") == result.get("spec"), SETTLE)
         return result
 
+    def record_event(self, reason: str, message: str, kind: str = "Normal") -> None:
+        self._event(reason, message, kind)
+
     def _event(self, reason: str, message: str, kind: str = "Normal") -> None:
         """A Kubernetes Event on the VirtualMachineBMC (or the VM), for `kubectl describe`; best effort."""
         if self.vmbmc and self.bmc_watch is not None and self.bmc_watch.obj is not None:

@@ -8,8 +8,11 @@ Redfish or KubeVirt.
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+log = logging.getLogger("vbmc.machine")
 
 
 class PowerState(StrEnum):
@@ -195,6 +198,12 @@ class Machine(abc.ABC):
     @abc.abstractmethod
     def eject_media(self, slot: str = "Cd") -> None:
         """Eject the medium (nothing in: nothing to do); raises Unsupported when the slot has no drive."""
+
+    def record_event(self, reason: str, message: str, kind: str = "Normal") -> None:
+        """Tell the machine's owners (KubeVirt: a Kubernetes Event on the VirtualMachineBMC); best effort, may
+        take up to a second, so callers on a protocol's serving thread hand it to another thread. Default: a log
+        line."""
+        log.info("event %s %s: %s", kind, reason, message)
 
     def media_slots(self) -> tuple[str, ...]:
         """The virtual media slots the BMC has, like the virtual CD of a physical BMC: present whether or not the

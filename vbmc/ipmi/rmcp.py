@@ -17,6 +17,8 @@ CLASS_IPMI = 0x07
 AUTH_RMCP_PLUS = 0x06  # "authentication type" byte 6 marks the IPMI v2.0/RMCP+ session header
 PAYLOAD_IPMI = 0x00
 PAYLOAD_OPEN_SESSION_REQUEST = 0x10
+PAYLOAD_RAKP1 = 0x12
+PAYLOAD_RAKP3 = 0x14
 
 ASF_IANA = 4542
 ASF_PING = 0x80
@@ -85,7 +87,9 @@ def parse_message(raw: bytes) -> Message | None:
 
 
 def build_response(request: Message, completion: int, data: bytes = b"") -> bytes:
-    header = bytes([request.rq_addr, (request.netfn + 1) << 2 | request.rq_lun])
+    """The response message: netFn odd (a request's netFn + 1; a request that came with an odd netFn, such as
+    3Fh, keeps it, as there is no netFn 40h), the request's sequence number and command, then the completion code."""
+    header = bytes([request.rq_addr, (request.netfn | 1) << 2 | request.rq_lun])
     body = bytes([request.rs_addr, request.rq_seq << 2 | request.rs_lun, request.command, completion]) + data
     return header + bytes([checksum(header)]) + body + bytes([checksum(body)])
 
@@ -107,6 +111,12 @@ def sessionless_message(packet: bytes, kind: PacketKind) -> bytes | None:
         (length,) = struct.unpack_from("<H", packet, 14)
         return packet[16:16 + length] if len(packet) >= 16 + length else None
     return None
+
+
+def session_setup_packet(payload_type: int, payload: bytes) -> bytes:
+    """An RMCP+ packet outside any session (session ID 0, sequence 0, no integrity), as session setup travels."""
+    return (bytes([RMCP_VERSION, 0, RMCP_SEQ_NO_ACK, CLASS_IPMI, AUTH_RMCP_PLUS, payload_type]) + bytes(8)
+            + struct.pack("<H", len(payload)) + payload)
 
 
 def sessionless_packet(message: bytes, kind: PacketKind) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -19,9 +20,19 @@ from importlib import metadata
 from typing import Any, NamedTuple, TypeVar
 
 from ..machine import BackendUnavailable, InvalidRequest, Machine, MachineError
+from ..throttle import LoginThrottle, source_key
 from . import codec, rmcp
 from .codec import Completion, IdentifyState, Privilege
-from .session import Reply, RmcpPlusSession, State, Transport
+from .session import (
+    STATUS_INSUFFICIENT_RESOURCES,
+    STATUS_INVALID_SESSION_ID,
+    Reply,
+    RmcpPlusSession,
+    State,
+    Transport,
+    nonzero_session_id,
+    setup_error,
+)
 
 log = logging.getLogger("vbmc.ipmi")
 
@@ -29,7 +40,10 @@ T = TypeVar("T")
 
 LAN_CHANNEL = 1
 MAX_SESSIONS = 32
-OPENING_TIMEOUT = 10.0  # seconds an unauthenticated session may wait for its RAKP messages
+# Unauthenticated (half-open) sessions: a console sends each RAKP message within a round trip of the answer before
+# it, and retransmits after a second; anything slower is a client gone or an attacker holding a slot.
+OPENING_TIMEOUT = 3.0
+MAX_OPENING_PER_SOURCE = 4  # half-open sessions one source address may hold; its oldest makes room for its newest
 IDLE_TIMEOUT = 60.0  # session inactivity timeout (section 6.12.15 suggests 60 s)
 WRITE_DEADLINE = 0.8  # a slower backend write is answered 0xC0 (node busy) before ipmitool gives up a try (1 s)
 POLL_INTERVAL = 0.2  # how often the receive loop looks at stop()
@@ -53,8 +67,10 @@ class IpmiServer:
     """
 
     def __init__(self, machine: Machine, username: str, password: str,
-                 address: tuple[str, int] = ("0.0.0.0", 623)) -> None:
+                 address: tuple[str, int] = ("0.0.0.0", 623), throttle: LoginThrottle | None = None) -> None:
         self.machine = machine
+        # Shared with the Redfish app in the agent, so a source's failures count over both protocols.
+        self.throttle = throttle if throttle is not None else LoginThrottle()
         self._credentials = {username: password.encode()}
         self._username = username
         self._bind_address = address
@@ -67,8 +83,11 @@ class IpmiServer:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._writer: futures.ThreadPoolExecutor | None = None
-        self._sessions: dict[Any, RmcpPlusSession] = {}
+        self._sessions: dict[int, RmcpPlusSession] = {}  # by managed session ID
         self._next_sweep = 0.0
+        # What the session table did under pressure, and packets dropped unread (for tests and the log).
+        self.counters: dict[str, int] = {"evicted": 0, "refused_full": 0, "discarded": 0}
+        self._full_logged = float("-inf")
         # Chassis state the Machine does not model: identify LED and boot option parameters 0, 3 and 4.
         self._identify_until = 0.0
         self._identify_forced = False
@@ -165,37 +184,57 @@ class IpmiServer:
             try:
                 packet, sockaddr = sock.recvfrom(RECEIVE_SIZE)
             except TimeoutError:
-                continue
+                packet = b""
             except OSError:
                 if self._stopping.is_set():
                     return
                 log.exception("ipmi receive failed vm=%s", self._vm)
                 continue
-            try:
-                self._datagram(packet, sockaddr)
-            except Exception:  # a malformed packet must never stop the BMC
-                log.warning("ipmi dropped a packet vm=%s client=%s size=%d", self._vm, _client(sockaddr),
-                            len(packet), exc_info=log.isEnabledFor(logging.DEBUG))
+            if packet:
+                try:
+                    self._datagram(packet, sockaddr)
+                except Exception:  # a malformed packet must never stop the BMC
+                    log.warning("ipmi dropped a packet vm=%s client=%s size=%d", self._vm, _client(sockaddr),
+                                len(packet), exc_info=log.isEnabledFor(logging.DEBUG))
             now = time.monotonic()
-            if now >= self._next_sweep:
+            if now >= self._next_sweep:  # also when idle: an abandoned RAKP exchange counts as a failed login
                 self._expire_sessions(now)
 
     def _datagram(self, packet: bytes, sockaddr: Any) -> None:
         kind = rmcp.classify(packet)
         if kind is rmcp.PacketKind.RMCP_PLUS:
             payload_type = rmcp.rmcp_plus_payload_type(packet)
+            session_id = rmcp.rmcp_plus_session_id(packet)
             if payload_type == rmcp.PAYLOAD_OPEN_SESSION_REQUEST:
                 self._open_session(packet, sockaddr)
-            elif payload_type == rmcp.PAYLOAD_IPMI and rmcp.rmcp_plus_session_id(packet) == 0:
+            elif payload_type == rmcp.PAYLOAD_IPMI and session_id == 0:
                 self._sessionless(packet, kind, sockaddr)
-            elif (session := self._sessions.get(sockaddr)) is not None:
-                session.receive(bytearray(packet))
+            elif payload_type in (rmcp.PAYLOAD_RAKP1, rmcp.PAYLOAD_RAKP3):  # header session ID 0, or junk
+                self._session_setup(packet, payload_type, sockaddr)
+            elif (session := self._sessions.get(session_id)) is None or not session.receive(packet):
+                self.counters["discarded"] += 1
+                log.debug("ipmi discarded a packet vm=%s client=%s payload_type=%#04x", self._vm,
+                          _client(sockaddr), payload_type)
         elif kind is rmcp.PacketKind.IPMI_1_5:
             self._sessionless(packet, kind, sockaddr)
         elif kind is rmcp.PacketKind.ASF:
             pong = rmcp.asf_pong(packet)
             if pong is not None:
                 self._send(pong, sockaddr)
+
+    def _session_setup(self, packet: bytes, payload_type: int, sockaddr: Any) -> None:
+        """RAKP 1 or 3: the payload names the managed session. Only a half-open session opened from the same
+        address takes it; anything else gets "invalid session ID" and no session changes."""
+        (length,) = struct.unpack_from("<H", packet, 14)
+        payload = packet[16:16 + length]
+        session_id = int(struct.unpack_from("<I", payload, 4)[0]) if len(payload) >= 8 else 0
+        session = self._sessions.get(session_id)
+        if session is not None and session.sockaddr == sockaddr and not session.active:
+            session.receive(packet)
+            return
+        error = setup_error(payload_type, payload, STATUS_INVALID_SESSION_ID)
+        if error is not None:
+            self._send(rmcp.session_setup_packet(*error), sockaddr)
 
     def _send(self, packet: bytes, sockaddr: Any) -> None:
         assert self._socket is not None
@@ -219,35 +258,96 @@ class IpmiServer:
         self._send(rmcp.sessionless_packet(rmcp.build_response(message, completion, data), kind), sockaddr)
 
     def _open_session(self, packet: bytes, sockaddr: Any) -> None:
+        """An Open Session Request (section 13.17) never closes or displaces an authenticated session: a new
+        half-open session takes a free slot, else the slot of its own source's oldest half-open session (past
+        MAX_OPENING_PER_SOURCE), else of the oldest half-open session; with every slot authenticated it is refused
+        with "insufficient resources"."""
         assert self._transport is not None
-        self._sessions.pop(sockaddr, None)  # the same client address starting over
-        self._expire_sessions(time.monotonic())
-        session = RmcpPlusSession(self, sockaddr, self._transport, packet[16:],
-                                  full=len(self._sessions) >= MAX_SESSIONS)
+        (length,) = struct.unpack_from("<H", packet, 14)
+        request = packet[16:16 + length]
+        now = time.monotonic()
+        self._expire_sessions(now)
+        opening = [s for s in self._sessions.values() if not s.active]
+        for session in opening:
+            # The same request again (same address, console session ID and tag): our answer was lost.
+            if (session.state is State.OPENING and session.sockaddr == sockaddr and len(request) >= 8
+                    and session.console_sid == request[4:8] and session.open_tag == request[0]):
+                session.repeat_open_response()
+                return
+        refuse: int | None = None
+        if self.throttle.retry_after(_host(sockaddr)) > 0:
+            self.throttle.refused("ipmi")
+            refuse = STATUS_INSUFFICIENT_RESOURCES
+        else:
+            slots = [Slot(sid, source_key(_host(s.sockaddr)), s.active, s.state is State.AUTHENTICATING, s.opened)
+                     for sid, s in self._sessions.items()]
+            room = make_room(slots, source_key(_host(sockaddr)))
+            if room == FULL:
+                self.counters["refused_full"] += 1
+                if now - self._full_logged > 60:  # a client retrying must not fill the log
+                    self._full_logged = now
+                    log.warning("ipmi session table full vm=%s client=%s: %d authenticated sessions", self._vm,
+                                _client(sockaddr), len(self._sessions))
+                refuse = STATUS_INSUFFICIENT_RESOURCES
+            elif room is not None:
+                self._evict(self._sessions[room])
+        session_id = nonzero_session_id()
+        while int.from_bytes(session_id, "little") in self._sessions:
+            session_id = nonzero_session_id()
+        session = RmcpPlusSession(self, sockaddr, self._transport, request, session_id, refuse)
         if session.state is not State.CLOSED:
-            self._sessions[sockaddr] = session
+            self._sessions[session.managed_session_id] = session
+
+    def _evict(self, session: RmcpPlusSession) -> None:
+        self.counters["evicted"] += 1
+        log.debug("ipmi evicted a half-open session vm=%s client=%s", self._vm, _client(session.sockaddr))
+        self._sessions.pop(session.managed_session_id, None)
 
     def _expire_sessions(self, now: float) -> None:
         self._next_sweep = now + 1.0
-        for sockaddr, session in list(self._sessions.items()):
-            timeout = IDLE_TIMEOUT if session.state is State.ACTIVE else OPENING_TIMEOUT
+        for session_id, session in list(self._sessions.items()):
+            timeout = IDLE_TIMEOUT if session.active else OPENING_TIMEOUT
             if now - session.last_seen > timeout:
-                del self._sessions[sockaddr]
+                del self._sessions[session_id]
+                if session.state is State.AUTHENTICATING:
+                    # RAKP 2 went out and no RAKP 3 came back: a console with the wrong password that gave up,
+                    # or someone collecting RAKP 2 codes to test passwords offline. Either way a failed login.
+                    self.auth_failed(session, "no RAKP 3 after RAKP 2")
 
     # ---- SessionHost: what sessions ask of the BMC
 
     def password_for(self, username: str) -> bytes | None:
         return self._credentials.get(username)
 
+    def login_refused(self, session: RmcpPlusSession) -> bool:
+        wait = self.throttle.retry_after(_host(session.sockaddr))
+        if wait <= 0:
+            return False
+        self.throttle.refused("ipmi")
+        # DEBUG: a locked-out client may send as fast as it likes; the lockout itself was logged, refusals are
+        # counted in /metrics.
+        log.debug("ipmi protocol=ipmi action=authenticate vm=%s user=%r client=%s result=%r", self._vm,
+                  session.username, _client(session.sockaddr), f"throttled for {wait:.0f} s")
+        return True
+
+    def auth_succeeded(self, session: RmcpPlusSession) -> None:
+        self.throttle.succeeded(_host(session.sockaddr))
+
+    def rakp2_sent(self, session: RmcpPlusSession) -> None:
+        self.throttle.charge(_host(session.sockaddr), "ipmi", session.username)
+
     def auth_failed(self, session: RmcpPlusSession, reason: str) -> None:
+        """The one place an IPMI login is decided to have failed: logged, and counted against its source (unless
+        it was when its RAKP 2 went out)."""
+        self.throttle.failed(_host(session.sockaddr), "ipmi", session.username, charged=session.charged)
         log.warning("ipmi protocol=ipmi action=authenticate vm=%s user=%r client=%s result=%r", self._vm,
                     session.username, _client(session.sockaddr), reason,
                     extra={"protocol": "ipmi", "action": "authenticate", "vm": self._vm, "user": session.username,
                            "client": _client(session.sockaddr), "result": reason})
 
     def close(self, session: RmcpPlusSession) -> None:
-        if self._sessions.get(session.sockaddr) is session:
-            del self._sessions[session.sockaddr]
+        if self._sessions.get(session.managed_session_id) is session:
+            del self._sessions[session.managed_session_id]
 
     def handle_request(self, session: RmcpPlusSession, netfn: int, command: int, data: bytes) -> Reply:
         entry = self._commands.get((netfn, command))
@@ -399,6 +499,46 @@ class IpmiServer:
         else:
             return Reply(Completion.PARAMETER_NOT_SUPPORTED)
         return Reply(Completion.OK, codec.boot_option(parameter, value))
+
+
+class Slot(NamedTuple):
+    """What the session table's admission policy looks at in a session."""
+
+    session_id: int
+    source: str  # source_key of its address
+    active: bool  # authenticated
+    named_user: bool  # half-open, RAKP 1 received
+    opened: float
+
+
+FULL = -1  # make_room's answer when every slot is authenticated
+
+
+def make_room(slots: list[Slot], source: str, capacity: int = MAX_SESSIONS,
+              per_source: int = MAX_OPENING_PER_SOURCE) -> int | None:
+    """Where a new half-open session from `source` goes: None for a free slot, else the ID of the half-open
+    session it replaces (`source`'s own oldest once it holds `per_source`, else the oldest of all, one still
+    waiting for RAKP 1 before one that named a user), or FULL when every slot is authenticated."""
+    opening = [slot for slot in slots if not slot.active]
+    own = [slot for slot in opening if slot.source == source]
+    if len(own) >= per_source:
+        return min(own, key=_eviction_order).session_id
+    if len(slots) < capacity:
+        return None
+    if not opening:
+        return FULL
+    return min(opening, key=_eviction_order).session_id
+
+
+def _eviction_order(slot: Slot) -> tuple[bool, float]:
+    return slot.named_user, slot.opened
+
+
+def _host(sockaddr: Any) -> str:
+    try:
+        return str(sockaddr[0])
+    except (TypeError, IndexError):
+        return str(sockaddr)
 
 
 def _client(sockaddr: Any) -> str:

@@ -3,7 +3,13 @@
 Built on pyghmi's server session, whose packet path (integrity check, AES-CBC-128 decryption and encryption,
 IPMI message framing, sequence numbers) is reused unchanged. pyghmi's session setup is replaced where it falls short:
 it only speaks cipher suite 3, ignores unknown users and wrong passwords (the client times out instead of seeing an
-authentication error), and keeps every session forever in a process-wide table.
+authentication error), and keeps every session forever in a process-wide table. Its receive path is replaced too:
+it compares integrity codes in variable time, raises on payload types a BMC never receives (Open Session Response,
+RAKP 2 and 4) and cannot answer a request whose netFn is 3Fh.
+
+A session belongs to its managed session ID (the BMC's), not to the client's address: session setup messages
+name it in their payload, session packets in their header, so nothing from an address can disturb another
+session from that address.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from pyghmi.ipmi.private import constants as pyghmi_constants
 from pyghmi.ipmi.private import serversession
 
-from . import codec
+from . import codec, rmcp
 from .codec import CipherSuite, Completion, Privilege
 
 # RMCP+ and RAKP message status codes (table 13-15)
@@ -36,6 +43,13 @@ STATUS_NO_CIPHER_SUITE_MATCH = 0x11
 STATUS_INSUFFICIENT_RESOURCES = 0x01
 
 PAYLOAD = pyghmi_constants.payload_types
+PAYLOAD_IPMI = 0x00
+PAYLOAD_RAKP1 = 0x12
+PAYLOAD_RAKP3 = 0x14
+AUTHENTICATED = 0x40  # payload type byte: the packet carries an integrity code
+ENCRYPTED = 0x80
+AES_BLOCK = 16
+REPLAY_WINDOW = 16  # session sequence numbers accepted (once) behind the highest seen
 MAX_USER_NAME = 16
 
 # Per authentication algorithm: the RAKP hash and the RAKP 4 integrity check length (section 13.28 and 13.31).
@@ -62,6 +76,16 @@ class SessionHost(Protocol):
     guid: bytes
 
     def password_for(self, username: str) -> bytes | None: ...
+
+    def login_refused(self, session: RmcpPlusSession) -> bool:
+        """True when the session's source is locked out after failed logins (see vbmc/throttle.py)."""
+        ...
+
+    def auth_succeeded(self, session: RmcpPlusSession) -> None: ...
+
+    def rakp2_sent(self, session: RmcpPlusSession) -> None:
+        """RAKP 2 is going out: from here on the client can test a password offline."""
+        ...
 
     def handle_request(self, session: RmcpPlusSession, netfn: int, command: int, data: bytes) -> Reply: ...
 
@@ -97,7 +121,7 @@ class RmcpPlusSession(serversession.ServerSession):
         return object.__new__(cls)
 
     def __init__(self, host: SessionHost, sockaddr: Any, transport: Transport, open_request: bytes,
-                 full: bool = False) -> None:
+                 managed_sid: bytes, refuse: int | None = None) -> None:
         # Attributes pyghmi's packet path reads (Session._handle_ipmi2_packet, send_payload, _parse_ipmi_payload).
         self.servermode = True
         self.ipmiversion = 2.0
@@ -109,7 +133,8 @@ class RmcpPlusSession(serversession.ServerSession):
         self.lastpayload = None
         self.last_payload_type = None
         self.sol_handler = None
-        self.remseqnumber = None
+        self.remseqnumber: int | None = None  # the highest session sequence number accepted
+        self._seen = 0  # bit n: remseqnumber - n was accepted (replay window)
         self.sequencenumber = 0
         self.sessionid = 0
         self.integrityalgo = 0
@@ -119,7 +144,6 @@ class RmcpPlusSession(serversession.ServerSession):
         self.k1: bytes | None = None
         self.localsid = 0
         self.aeskey: bytes | None = None
-        self.ipmicallback = self._request
 
         self.host = host
         self.state = State.OPENING
@@ -127,50 +151,130 @@ class RmcpPlusSession(serversession.ServerSession):
         self.suite: CipherSuite | None = None
         self.max_privilege = Privilege.ADMINISTRATOR
         self.privilege = Privilege.USER
-        self.last_seen = time.monotonic()
+        self.opened = self.last_seen = time.monotonic()
+        self.charged = False  # counted against its source's login budget when RAKP 2 went out
+        self.open_tag = -1
         self._console_sid = b"\0\0\0\0"
-        self._managed_sid = b"\0\0\0\0"
+        self._managed_sid = managed_sid
         self._rm = self._rc = b""
         self._role = 0
         self._kuid = b""
         self._last_request: tuple[int, int, int, bytes] | None = None
         self._last_reply: Reply | None = None
-        self._open(open_request, full)
+        self._open_response = b""
+        self._open(open_request, refuse)
 
     @property
     def managed_session_id(self) -> int:
         return int(struct.unpack("<I", self._managed_sid)[0])
 
-    def receive(self, packet: bytearray) -> None:
-        """A datagram from this session's client, with an RMCP+ session header."""
+    @property
+    def console_sid(self) -> bytes:
+        return self._console_sid
+
+    @property
+    def active(self) -> bool:
+        return self.state is State.ACTIVE
+
+    def receive(self, packet: bytes) -> bool:
+        """A datagram for this session (RMCP+ session header); False when it was discarded unread: a payload type
+        a BMC does not take in a session (SOL, which is never activated here; OEM payloads; Open Session Response,
+        RAKP 2 and 4, which only travel to a console), a truncated packet, a failed check. The specification's error
+        answers (RMCP+ status codes) exist for session setup messages only, so these get none."""
+        payload_type = packet[5] & 0x3F
+        (length,) = struct.unpack_from("<H", packet, 14)
+        if len(packet) < 16 + length:
+            return False
+        if payload_type == PAYLOAD_RAKP1:
+            self._got_rakp1(bytearray(packet[16:16 + length]))
+        elif payload_type == PAYLOAD_RAKP3:
+            self._got_rakp3(bytearray(packet[16:16 + length]))
+        elif payload_type == PAYLOAD_IPMI:
+            message = self._open_packet(packet, length)
+            if message is None:
+                return False
+            self._request(message)
+        else:
+            return False
         self.last_seen = time.monotonic()
-        self._handle_ipmi2_packet(packet)
+        return True
+
+    def _open_packet(self, packet: bytes, length: int) -> rmcp.Message | None:
+        """The IPMI request in an authenticated session packet (section 13.28), or None when the packet fails any
+        check: active session, integrity code (compared in constant time), sequence number, padding, checksums."""
+        if self.state is not State.ACTIVE or self.k1 is None or self.aeskey is None:
+            return None
+        if not packet[5] & AUTHENTICATED or len(packet) < 16 + length + 2 + self.currhashlen:
+            return None
+        code = packet[-self.currhashlen:]
+        expected = hmac.new(self.k1, packet[4:-self.currhashlen], self.currhashlib).digest()[:self.currhashlen]
+        if not hmac.compare_digest(code, expected):
+            return None
+        if struct.unpack_from("<I", packet, 6)[0] != self.localsid:
+            return None
+        sequence = int(struct.unpack_from("<I", packet, 10)[0])
+        if not self._fresh(sequence):
+            return None  # a replayed packet, or one too far behind
+        payload = bytes(packet[16:16 + length])
+        if packet[5] & ENCRYPTED:
+            if len(payload) < 2 * AES_BLOCK or len(payload) % AES_BLOCK:
+                return None
+            decryptor = Cipher(algorithms.AES(self.aeskey), modes.CBC(payload[:AES_BLOCK])).decryptor()
+            clear = decryptor.update(payload[AES_BLOCK:]) + decryptor.finalize()
+            pad = clear[-1]
+            if pad >= len(clear):
+                return None
+            payload = clear[:-pad - 1]
+        self._accept(sequence)
+        return rmcp.parse_message(payload)
+
+    def _fresh(self, sequence: int) -> bool:
+        """A sliding window on session sequence numbers, as IPMI v2.0 asks of a BMC: a packet up to REPLAY_WINDOW
+        behind the highest is taken once, a duplicate or an older one never. Only the integrity code protects the
+        session header and payload; bytes 0-3 (the RMCP header) may be changed in flight, so a changed copy of a
+        packet must still count as the same packet."""
+        if self.remseqnumber is None or sequence > self.remseqnumber:
+            return True
+        behind = self.remseqnumber - sequence
+        return behind < REPLAY_WINDOW and not self._seen >> behind & 1
+
+    def _accept(self, sequence: int) -> None:
+        if self.remseqnumber is None:
+            self.remseqnumber, self._seen = sequence, 1
+        elif sequence > self.remseqnumber:
+            shift = sequence - self.remseqnumber
+            self._seen = (self._seen << shift | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
+            self.remseqnumber = sequence
+        else:
+            self._seen |= 1 << (self.remseqnumber - sequence)
 
     # ---- opening (section 13.17)
 
-    def _got_rmcp_openrequest(self, data: bytearray) -> None:
-        self._open(bytes(data), full=False)
-
-    def _open(self, request: bytes, full: bool) -> None:
+    def _open(self, request: bytes, refuse: int | None) -> None:
         if len(request) < 8:
             self.state = State.CLOSED
             return
         tag, self._console_sid = request[0], bytes(request[4:8])
+        self.open_tag = tag
         suite = codec.match_cipher_suite(request[8:32])
-        if full:
-            self._refuse_open(tag, STATUS_INSUFFICIENT_RESOURCES)
+        if refuse is not None:
+            self._refuse_open(tag, refuse)
             return
         if suite is None:
             self._refuse_open(tag, STATUS_NO_CIPHER_SUITE_MATCH)
             return
         self.suite = suite
-        self._managed_sid = _nonzero_session_id()
         requested = request[1] & 0x0F
         highest = Privilege.ADMINISTRATOR
         self.max_privilege = Privilege(min(requested, highest) if requested else highest)
-        response = (bytes([tag, STATUS_OK, self.max_privilege, 0]) + self._console_sid + self._managed_sid
-                    + codec.algorithm_payloads(suite))
-        self.send_payload(response, PAYLOAD["rmcpplusopenresponse"], retry=False)
+        self._open_response = (bytes([tag, STATUS_OK, self.max_privilege, 0]) + self._console_sid
+                               + self._managed_sid + codec.algorithm_payloads(suite))
+        self.send_payload(self._open_response, PAYLOAD["rmcpplusopenresponse"], retry=False)
+
+    def repeat_open_response(self) -> None:
+        """The client did not hear our Open Session Response and sent the same request again."""
+        self.last_seen = time.monotonic()
+        self.send_payload(self._open_response, PAYLOAD["rmcpplusopenresponse"], retry=False)
 
     def _refuse_open(self, tag: int, status: int) -> None:
         self.state = State.CLOSED
@@ -199,12 +303,20 @@ class RmcpPlusSession(serversession.ServerSession):
         if requested > self.max_privilege:  # OEM privilege, or above what the open request allowed
             self._send_rakp2_error(tag, STATUS_UNAUTHORIZED_ROLE)
             return
+        if self.host.login_refused(self):
+            # Locked out after failed logins (vbmc/throttle.py): no RAKP 2, whose HMAC would be one more guess to
+            # test offline; "insufficient resources" tells the console to come back later.
+            self._send_rakp2_error(tag, STATUS_INSUFFICIENT_RESOURCES)
+            return
         password = self.host.password_for(self.username) if name_length else None
         if password is None:
             self.host.auth_failed(self, "unauthorized name")
             self._send_rakp2_error(tag, STATUS_UNAUTHORIZED_NAME)
             return
         self._kuid = password
+        if not self.charged:
+            self.host.rakp2_sent(self)
+            self.charged = True
         self.max_privilege = Privilege(requested)
         self._rc = os.urandom(16)
         rakp_hash, _ = RAKP_HASHES[self.suite.authentication]
@@ -244,6 +356,7 @@ class RmcpPlusSession(serversession.ServerSession):
         # No BMC key (Kg) is configured, so the user key takes its place (section 13.31).
         sik = hmac.new(self._kuid, self._rm + self._rc + role_and_name, rakp_hash).digest()
         icv = hmac.new(sik, self._rm + self._managed_sid + self.host.guid, rakp_hash).digest()[:icv_length]
+        self.host.auth_succeeded(self)  # before RAKP 4 goes out: the console may act on it at once
         self.send_payload(bytes([tag, STATUS_OK, 0, 0]) + self._console_sid + icv, PAYLOAD["rakp4"], retry=False)
         self._activate(sik)
 
@@ -272,11 +385,11 @@ class RmcpPlusSession(serversession.ServerSession):
 
     # ---- requests in an active session
 
-    def _request(self, request: dict[str, Any]) -> None:
-        netfn, command, data = request["netfn"], request["command"], bytes(request["data"])
+    def _request(self, message: rmcp.Message) -> None:
+        netfn, command, data = message.netfn, message.command, message.data
         # A client that did not hear the answer sends the same request with the same sequence number again:
         # answer it again instead of powering the machine twice (section 13.8, rqSeq).
-        key = (netfn, command, self.seqlun, data)
+        key = (netfn, command, message.rq_seq, data)
         if key == self._last_request and self._last_reply is not None:
             reply = self._last_reply
         elif netfn == codec.NETFN_APP and command == codec.SET_SESSION_PRIVILEGE_LEVEL:
@@ -286,7 +399,8 @@ class RmcpPlusSession(serversession.ServerSession):
         else:
             reply = self.host.handle_request(self, netfn, command, data)
         self._last_request, self._last_reply = key, reply
-        self.send_ipmi_response(data=reply.data, code=reply.completion)
+        response = rmcp.build_response(message, reply.completion, reply.data)
+        self.send_payload(response, PAYLOAD["ipmi"], retry=False)
         if self.state is State.CLOSED:
             self.host.close(self)
 
@@ -314,8 +428,21 @@ class RmcpPlusSession(serversession.ServerSession):
         return Reply(Completion.OK)
 
 
-def _nonzero_session_id() -> bytes:
+def nonzero_session_id() -> bytes:
     while True:
         sid = os.urandom(4)
         if sid != b"\0\0\0\0":
             return sid
+
+
+def setup_error(payload_type: int, payload: bytes, status: int) -> tuple[int, bytes] | None:
+    """The answer to a session setup message that names no session of ours (section 13.20-13.23: RAKP 2 or 4
+    with status "invalid session ID"), without touching any session; None for anything else."""
+    if len(payload) < 8:
+        return None
+    tag = payload[0]
+    if payload_type == PAYLOAD_RAKP1:
+        return PAYLOAD["rakp2"], bytes([tag, status, 0, 0]) + b"\0\0\0\0"
+    if payload_type == PAYLOAD_RAKP3:
+        return PAYLOAD["rakp4"], bytes([tag, status, 0, 0]) + b"\0\0\0\0"
+    return None

@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import re
 import socket
 import time
@@ -35,6 +36,7 @@ from ..machine import (
     ResetType,
     Unsupported,
 )
+from ..throttle import LoginThrottle
 from . import payloads, resources
 from .errors import RedfishError, not_found
 from .resources import ROOT, Ids
@@ -90,13 +92,15 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
                manager_id: str = "BMC", chassis_id: str | None = None, session_timeout: int = 1800,
                clock: Callable[[], float] = time.monotonic, version: str = VERSION,
                ports: Mapping[str, int] | None = None, host_name: str | None = None,
-               fqdn: str | None = None, bmc_uuid: str | None = None) -> Flask:
+               fqdn: str | None = None, bmc_uuid: str | None = None,
+               throttle: LoginThrottle | None = None) -> Flask:
     """A Redfish service for one machine, with one account (`username`/`password`, HTTP Basic or sessions).
 
     `system_id` defaults to the machine's name (stable for a VM); `session_timeout` is the inactivity timeout
     in seconds; `clock` is injectable so that tests can expire sessions without waiting. `ports` are the
     ports clients reach the BMC on (the Service's), shown in the Manager's NetworkProtocol. `bmc_uuid` seeds
-    the service and manager UUIDs (default: the machine's UUID)."""
+    the service and manager UUIDs (default: the machine's UUID). `throttle` slows password guessing per source
+    address (vbmc/throttle.py); the agent shares one with its IPMI server."""
     ports = dict(DEFAULT_PORTS if ports is None else ports)
     host_name = host_name or socket.gethostname()
     if system_id is None or bmc_uuid is None:
@@ -110,6 +114,7 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
             raise ValueError(f"not a usable Redfish Id: {value!r}")
     ids = Ids(system_id, manager_id, chassis_id)
     store = SessionStore(session_timeout, clock)
+    throttle = throttle if throttle is not None else LoginThrottle()
     cache = _Cache()
     user_b, password_b = username.encode(), password.encode()
     service_uuid = resources.service_uuid(bmc_uuid)
@@ -134,6 +139,29 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
     # common case costs one constant-time comparison and no parsing.
     basic_header = "Basic " + base64.b64encode(user_b + b":" + password_b).decode()
 
+    def refuse_if_throttled(protocol: str) -> None:
+        """A source locked out after failed logins gets 429 with Retry-After before its credentials are looked
+        at: neither a right nor a wrong password changes the answer, so the lockout tells a guesser nothing."""
+        wait = throttle.retry_after(request.remote_addr or "")
+        if wait > 0:
+            throttle.refused(protocol)
+            seconds = max(1, math.ceil(wait))
+            raise RedfishError(429, "ServiceTemporarilyUnavailable", seconds,
+                               detail="Too many failed logins from this address.",
+                               headers={"Retry-After": str(seconds)})
+
+    def login_failed(protocol: str, user: str) -> RedfishError:
+        """The one place a Redfish login is decided to have failed (Basic auth or session login): counted
+        against the source address, logged, and answered 401."""
+        client = request.remote_addr or ""
+        throttle.failed(client, protocol, user)
+        log.warning("redfish protocol=redfish action=authenticate vm=%s user=%r client=%s result=%r", system_id,
+                    user, client, f"{protocol}: wrong user name or password",
+                    extra={"protocol": "redfish", "action": "authenticate", "vm": system_id, "user": user,
+                           "client": client, "result": "wrong user name or password"})
+        detail = "The user name or password is incorrect." if protocol == "redfish-session" else ""
+        return RedfishError(401, "NoValidSession", detail=detail, headers={"WWW-Authenticate": REALM})
+
     @app.before_request
     def authenticate() -> None:
         if request.method != "GET":
@@ -143,21 +171,30 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
             return
         token = request.headers.get("X-Auth-Token")
         if token is not None:
+            # A session token is not a password (24 random bytes): not throttled, so a client whose session
+            # expired is not locked out for sending it a few more times.
             session = store.authenticate(token)
             if session is None:
                 raise RedfishError(401, "NoValidSession", headers={"WWW-Authenticate": REALM})
             g.user = session.username
             g.session_id = session.id
             return
-        header = request.headers.get("Authorization", "")
+        header = request.headers.get("Authorization")
+        if header is None:
+            raise RedfishError(401, "NoValidSession", headers={"WWW-Authenticate": REALM})
+        refuse_if_throttled("redfish-basic")
         if hmac.compare_digest(header.encode(), basic_header.encode()):
+            throttle.succeeded(request.remote_addr or "")
             g.user = username
             return
         auth = request.authorization
         if auth is not None and auth.type == "basic" and check_password(auth.username or "", auth.password or ""):
+            throttle.succeeded(request.remote_addr or "")
             g.user = auth.username
             return
-        raise RedfishError(401, "NoValidSession", headers={"WWW-Authenticate": REALM})
+        if auth is None or auth.type != "basic":
+            raise RedfishError(401, "NoValidSession", headers={"WWW-Authenticate": REALM})  # no password offered
+        raise login_failed("redfish-basic", auth.username or "")
 
     def send(rendered: Rendered, status: int = 200, etag: bool = False,
              headers: dict[str, str] | None = None) -> Response:
@@ -524,9 +561,10 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         doc = body()
         creds = payloads.parse_patch(payloads.SessionCreate, {k: v for k, v in doc.items()
                                                               if k in ("UserName", "Password")}, {})
+        refuse_if_throttled("redfish-session")
         if not check_password(creds.UserName, creds.Password):
-            raise RedfishError(401, "NoValidSession", detail="The user name or password is incorrect.",
-                               headers={"WWW-Authenticate": REALM})
+            raise login_failed("redfish-session", creds.UserName)
+        throttle.succeeded(request.remote_addr or "")
         session = store.create(creds.UserName, request.remote_addr or "")
         g.user = creds.UserName
         location = f"{SESSIONS}/{session.id}"
