@@ -196,6 +196,18 @@ def test_load_json_refuses_what_no_property_can_hold(raw: bytes, key: str) -> No
     json.dumps(err.value.body())  # the error itself always renders
 
 
+@pytest.mark.parametrize("body", [
+    {"UserName": USER, "Password": "hunter2\ud800"},
+    {"UserName": USER, "Password": ["hunter2"]},
+    {"UserName": USER, "Password": {"a": "hunter2"}},
+])
+def test_an_error_about_the_password_never_echoes_it(body: dict[str, Any]) -> None:
+    resp = client().post(SESSIONS, data=json.dumps(body), content_type="application/json")
+    assert resp.status_code == 400
+    assert b"hunter2" not in resp.get_data()
+    assert resp.json is not None and "(redacted)" in resp.json["error"]["@Message.ExtendedInfo"][0]["MessageArgs"]
+
+
 def test_load_json_accepts_the_depth_a_real_body_has() -> None:
     doc = {"Boot": {"BootSourceOverrideTarget": "Pxe"}, "Oem": {"a": {"b": [{"c": [1, 2]}]}}}
     assert payloads.load_json(json.dumps(doc).encode()) == doc

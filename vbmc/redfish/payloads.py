@@ -128,9 +128,10 @@ def _check_text(value: Any, loc: list[str]) -> None:
     if isinstance(value, str):
         if _SURROGATE.search(value):
             name = loc[-1] if loc else ""
-            shown = "(redacted)" if name in SECRET_PROPERTIES else _SURROGATE.sub("\ufffd", value)
-            raise RedfishError(400, "PropertyValueFormatError", shown, name,
-                               related="#/" + "/".join(loc), detail="The value is not valid Unicode text.")
+            secret = any(part in SECRET_PROPERTIES for part in loc)
+            shown = "(redacted)" if secret else _SURROGATE.sub("\ufffd", value)
+            raise RedfishError(400, "PropertyValueFormatError", shown, name, related="#/" + "/".join(loc),
+                               detail="The value is not valid Unicode text.")
     elif isinstance(value, dict):
         for key, item in value.items():
             if _SURROGATE.search(key):
@@ -152,7 +153,7 @@ def parse_patch(model: type[M], doc: dict[str, Any], readonly: dict[str, Any]) -
         for err in exc.errors():
             loc = [str(p) for p in err["loc"]]
             name, pointer = loc[-1] if loc else "", "#/" + "/".join(loc)
-            value = _value_at(doc, loc)
+            value = _shown(loc, _value_at(doc, loc))
             if err["type"] == "extra_forbidden":
                 if len(loc) == 1 and name in readonly:
                     errors.append(RedfishError(400, "PropertyNotWritable", name, related=pointer))
@@ -175,7 +176,7 @@ def parse_action(model: type[M], doc: dict[str, Any], action: str) -> M:
         for err in exc.errors():
             loc = [str(p) for p in err["loc"]]
             name, pointer = (loc[0] if loc else ""), "#/" + "/".join(loc)
-            value = _value_at(doc, loc)
+            value = _shown(loc, _value_at(doc, loc))
             if err["type"] == "extra_forbidden":
                 errors.append(RedfishError(400, "ActionParameterUnknown", action, name, related=pointer))
             elif err["type"] == "missing":
@@ -187,6 +188,11 @@ def parse_action(model: type[M], doc: dict[str, Any], action: str) -> M:
                 errors.append(RedfishError(400, "ActionParameterValueTypeError", value, name, action,
                                            related=pointer))
         raise combine(errors) from None
+
+
+def _shown(loc: list[str], value: Any) -> Any:
+    """A value as an error message may echo it: a secret's never is."""
+    return "(redacted)" if value is not None and any(p in SECRET_PROPERTIES for p in loc) else value
 
 
 def _value_at(doc: Any, loc: list[str]) -> Any:
