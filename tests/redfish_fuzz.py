@@ -182,6 +182,11 @@ class Fuzzer:
                                                   "multipart/form-data; boundary=x",
                                                   "application/x-www-form-urlencoded", ""])
         if rng.random() < 0.1:
+            headers["Host"] = rng.choice(["", "[::1", "a" * 300, "h:99999", "x:y:z", "\xe9", "127.0.0.1:0"])
+        if rng.random() < 0.1:
+            headers[rng.choice(["Accept", "OData-Version", "If-None-Match", "Cookie", "X-Forwarded-For",
+                                "Content-Encoding"])] = rng.choice(["", "*/*", "4.0", "\xff" * 10, "gzip", "a=b;;;"])
+        if rng.random() < 0.1:
             headers["Transfer-Encoding"] = "chunked"
         return headers
 

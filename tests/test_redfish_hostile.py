@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -197,6 +198,25 @@ def test_an_error_about_the_password_never_echoes_it(body: dict[str, Any]) -> No
 def test_load_json_accepts_the_depth_a_real_body_has() -> None:
     doc = {"Boot": {"BootSourceOverrideTarget": "Pxe"}, "Oem": {"a": {"b": [{"c": [1, 2]}]}}}
     assert payloads.load_json(json.dumps(doc).encode()) == doc
+
+
+def test_every_route_and_method_answers_with_redfish_json_and_no_5xx() -> None:
+    app = create_app(MemoryMachine(VM), USER, PASSWORD)
+    http = app.test_client()
+    methods = ["GET", "HEAD", "POST", "PATCH", "PUT", "DELETE", "OPTIONS", "TRACE", "CONNECT", "BREW"]
+    problems = []
+    for rule in app.url_map.iter_rules():
+        path = re.sub(r"<[^>]+>", "Cd", rule.rule)
+        for method in methods:
+            for body in (b"", b"{}", b"[", b'{"x":1}'):
+                resp = http.open(path, method=method, data=body, headers={"Authorization": AUTH})
+                problem = answer_problem(method, resp.status_code, resp.content_type or "", resp.get_data())
+                if problem:
+                    problems.append(f"{method} {path}: {problem}")
+                if resp.status_code == 405:
+                    assert resp.headers["Allow"], f"{method} {path}: 405 without Allow"
+                    assert method not in resp.headers["Allow"].split(", ")
+    assert problems == []
 
 
 # ---- fuzz: seeded random and mutated requests (tests/redfish_fuzz.py)
