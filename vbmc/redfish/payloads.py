@@ -94,13 +94,15 @@ def load_json(raw: bytes) -> dict[str, Any]:
     return doc
 
 
-def nesting_depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in `raw`, brackets inside strings not counted; a linear scan that
-    works on any bytes (it does not need valid JSON)."""
+def nesting_depth(raw: bytes, limit: int = MAX_DEPTH) -> int:
+    """How deep arrays and objects nest in `raw`, brackets inside strings not counted, up to `limit + 1` (the
+    scan stops there); linear, and works on any bytes (it does not need valid JSON)."""
     depth = deepest = 0
-    for bracket in _BRACKETS.findall(_STRINGS.sub(b"", raw)):
-        if bracket in (b"[", b"{"):
+    for match in _BRACKETS.finditer(_STRINGS.sub(b"", raw)):
+        if match[0] in (b"[", b"{"):
             depth += 1
+            if depth > limit:
+                return depth
             deepest = max(deepest, depth)
         else:
             depth = max(depth - 1, 0)
