@@ -43,6 +43,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/agent.py
 	$(BIN)/python bench/controller.py
 	$(BIN)/python bench/apply.py
+	$(BIN)/python bench/redfish_fuzz.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

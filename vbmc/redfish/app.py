@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -237,6 +238,14 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         if code == 413:
             return redfish_error(RedfishError(413, "GeneralError", detail="The request body is too large."))
         return redfish_error(RedfishError(code, "GeneralError", detail=exc.description or ""))
+
+    @app.errorhandler(Exception)
+    def unexpected_error(exc: Exception) -> Response:
+        # A bug, never the answer to input (the fuzz tests hold that): a Redfish 500 and one log line saying
+        # where, instead of Flask's HTML page and multi-line traceback.
+        log.error("redfish unexpected error: %s on %s %s at %s", _one_line(exc), request.method, request.path,
+                  _origin(exc))
+        return redfish_error(RedfishError(500, "GeneralError", detail="An internal error occurred."))
 
     @app.after_request
     def log_action(response: Response) -> Response:
@@ -621,15 +630,62 @@ class _LinkHeaders(dict[str, str]):
         return value
 
 
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())[:200]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _origin(exc: BaseException) -> str:
+    """The innermost frame an exception was raised in, as file:line in function."""
+    tb = exc.__traceback__
+    if tb is None:
+        return "?"
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno} in {code.co_name}"
+
+
+MAX_IMAGE_URL = 2048
+# RFC 3986 reg-name, ASCII only (an internationalised host name is given in its punycode form).
+_HOST = re.compile(r"^[A-Za-z0-9._~!$&'()*+,;=%-]+$")
+
+
+def image_url_problem(image: str) -> str | None:
+    """Why `image` is not an http(s) URL the importer can fetch, or None when it is one."""
+    if len(image) > MAX_IMAGE_URL:
+        return f"The image URL is longer than {MAX_IMAGE_URL} characters."
+    if any(c <= " " or c == "\x7f" for c in image):
+        return "The image URL contains a space or a control character."
+    try:
+        parts = urlsplit(image)
+        host, port = parts.hostname, parts.port  # both parse the authority, and raise on a malformed one
+    except ValueError as exc:
+        return f"The image URL is malformed: {exc}."
+    if parts.scheme not in ("http", "https"):
+        return "The image must be an http or https URL."
+    if not host:
+        return "The image URL has no host."
+    if parts.netloc.rpartition("@")[2].startswith("["):
+        try:
+            ipaddress.IPv6Address(host.split("%", 1)[0])
+        except ValueError:
+            return "The image URL's host is not an IPv6 address."
+    elif not _HOST.match(host):
+        return "The image URL's host is not a valid host name."
+    if port == 0:
+        return "The image URL's port is out of range."
+    return None
+
+
 def _check_image(image: str, name: str, action: str | None) -> None:
-    parts = urlsplit(image)
-    if parts.scheme in ("http", "https") and parts.netloc:
+    problem = image_url_problem(image)
+    if problem is None:
         return
     if action is None:
-        raise RedfishError(400, "PropertyValueFormatError", image, name, related=f"#/{name}",
-                           detail="The image must be an http or https URL.")
+        raise RedfishError(400, "PropertyValueFormatError", image, name, related=f"#/{name}", detail=problem)
     raise RedfishError(400, "ActionParameterValueFormatError", image, name, action, related=f"#/{name}",
-                       detail="The image must be an http or https URL.")
+                       detail=problem)
 
 
 def _from_machine_error(exc: MachineError, path: str) -> RedfishError:

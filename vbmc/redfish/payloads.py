@@ -4,6 +4,8 @@ Base registry messages (PropertyUnknown, PropertyValueTypeError, ActionParameter
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -60,17 +62,86 @@ class SessionCreate(_Body):
     Context: str | None = Field(default=None)
 
 
+# No request body this service accepts nests deeper than 4 levels; 32 leaves room for Oem blocks and keeps the
+# parser (recursive in CPython) and the error rendering far from the interpreter's recursion limit.
+MAX_DEPTH = 32
+SECRET_PROPERTIES = frozenset(("Password",))  # never echoed in an error
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"?')
+_BRACKETS = re.compile(rb"[\[\]{}]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def load_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; an empty body is an empty object (as for EjectMedia)."""
+    """The request body as a JSON object; an empty body is an empty object (as for EjectMedia).
+
+    Refused with 400: what is not JSON, not UTF-8 or not an object (MalformedJSON), nesting deeper than
+    MAX_DEPTH (MalformedJSON, checked before parsing), numbers a float cannot hold and NaN/Infinity (not JSON,
+    RFC 8259 6), keys that are not valid Unicode (MalformedJSON) and string values that are not
+    (PropertyValueFormatError naming the property: a lone UTF-16 surrogate such as \\ud800 escapes JSON's
+    grammar but no text can hold it)."""
     if not raw.strip():
         return {}
+    depth = nesting_depth(raw)
+    if depth > MAX_DEPTH:
+        raise RedfishError(400, "MalformedJSON", detail=f"The body is nested deeper than {MAX_DEPTH} levels.")
     try:
-        doc = json.loads(raw)
-    except ValueError:
+        doc = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int)
+    except (ValueError, RecursionError):
         raise RedfishError(400, "MalformedJSON") from None
     if not isinstance(doc, dict):
         raise RedfishError(400, "MalformedJSON", detail="The body must be a JSON object.")
+    _check_text(doc, [])
     return doc
+
+
+def nesting_depth(raw: bytes, limit: int = MAX_DEPTH) -> int:
+    """How deep arrays and objects nest in `raw`, brackets inside strings not counted, up to `limit + 1` (the
+    scan stops there); linear, and works on any bytes (it does not need valid JSON)."""
+    depth = deepest = 0
+    for match in _BRACKETS.finditer(_STRINGS.sub(b"", raw)):
+        if match[0] in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return depth
+            deepest = max(deepest, depth)
+        else:
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is out of range")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > 40:  # far beyond any property's range; also spares int() its quadratic cost
+        raise ValueError("integer out of range")
+    return int(text)
+
+
+def _check_text(value: Any, loc: list[str]) -> None:
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            name = loc[-1] if loc else ""
+            secret = any(part in SECRET_PROPERTIES for part in loc)
+            shown = "(redacted)" if secret else _SURROGATE.sub("\ufffd", value)
+            raise RedfishError(400, "PropertyValueFormatError", shown, name, related="#/" + "/".join(loc),
+                               detail="The value is not valid Unicode text.")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if _SURROGATE.search(key):
+                raise RedfishError(400, "MalformedJSON", detail="A property name is not valid Unicode text.")
+            _check_text(item, [*loc, key])
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_text(item, [*loc, str(index)])
 
 
 def parse_patch(model: type[M], doc: dict[str, Any], readonly: dict[str, Any]) -> M:
@@ -84,7 +155,7 @@ def parse_patch(model: type[M], doc: dict[str, Any], readonly: dict[str, Any]) -
         for err in exc.errors():
             loc = [str(p) for p in err["loc"]]
             name, pointer = loc[-1] if loc else "", "#/" + "/".join(loc)
-            value = _value_at(doc, loc)
+            value = _shown(loc, _value_at(doc, loc))
             if err["type"] == "extra_forbidden":
                 if len(loc) == 1 and name in readonly:
                     errors.append(RedfishError(400, "PropertyNotWritable", name, related=pointer))
@@ -107,7 +178,7 @@ def parse_action(model: type[M], doc: dict[str, Any], action: str) -> M:
         for err in exc.errors():
             loc = [str(p) for p in err["loc"]]
             name, pointer = (loc[0] if loc else ""), "#/" + "/".join(loc)
-            value = _value_at(doc, loc)
+            value = _shown(loc, _value_at(doc, loc))
             if err["type"] == "extra_forbidden":
                 errors.append(RedfishError(400, "ActionParameterUnknown", action, name, related=pointer))
             elif err["type"] == "missing":
@@ -119,6 +190,11 @@ def parse_action(model: type[M], doc: dict[str, Any], action: str) -> M:
                 errors.append(RedfishError(400, "ActionParameterValueTypeError", value, name, action,
                                            related=pointer))
         raise combine(errors) from None
+
+
+def _shown(loc: list[str], value: Any) -> Any:
+    """A value as an error message may echo it: a secret's never is."""
+    return "(redacted)" if value is not None and any(p in SECRET_PROPERTIES for p in loc) else value
 
 
 def _value_at(doc: Any, loc: list[str]) -> Any:
