@@ -58,6 +58,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 JSON_TYPE = b"application/json; charset=utf-8"
+TLS_READ_BUFFER = 32 * 1024
 
 
 @dataclass(frozen=True)
@@ -348,6 +349,9 @@ def hypercorn_config(config: ServerConfig) -> Any:
     hc.h11_max_incomplete_size = config.limits.headers_bytes
     hc.wsgi_max_body_size = config.limits.body
     hc.graceful_timeout = config.graceful_timeout
+    # hypercorn's default of 100 drops the SYNs of a burst of connections: clients then wait 1 s, 3 s, 7 s... to
+    # retry. The kernel caps it at net.core.somaxconn.
+    hc.backlog = 1024
     hc.include_server_header = False
     hc.accesslog = None
     # hypercorn's own lines ("Running on ...") say what the agent's start line says already.
@@ -372,12 +376,25 @@ def close_sockets(sockets: Any) -> None:
         sock.close()
 
 
+def _small_tls_buffers() -> None:
+    """asyncio gives every TLS connection a 256 KiB read buffer the moment it is accepted, before the handshake:
+    200 clients that send five bytes of a ClientHello and wait cost 50 MB. A TLS record carries at most 16 KiB of
+    plaintext, so 32 KiB reads as much per call as any record holds (measured with bench/slow_clients.py: the
+    agent's PSS under 400 stalled connections fell from 110 MB to the figure in docs/reference.md)."""
+    import asyncio.sslproto
+
+    protocol: Any = asyncio.sslproto.SSLProtocol
+    if getattr(protocol, "max_size", 0) > TLS_READ_BUFFER:
+        protocol.max_size = TLS_READ_BUFFER
+
+
 async def _serve(front: RedfishFront, hc: Any, sockets: Any, *, ready: threading.Event | None = None,
                  stop: asyncio.Event | None = None) -> None:
     from hypercorn.asyncio.run import worker_serve
     from hypercorn.utils import wrap_app
 
     _render_protocol_errors()
+    _small_tls_buffers()
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(_quiet_loop_errors)
     stop = stop or asyncio.Event()
