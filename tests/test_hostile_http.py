@@ -337,3 +337,27 @@ def test_a_chunked_body_over_the_limit_gets_413(blocking: tuple[Blocking, Backgr
         + b"0\r\n\r\n")
     assert status == 413
     assert "longer than 65536 bytes" in redfish_error(body)["message"]
+
+
+def test_connections_past_the_cap_are_closed_at_once_and_slots_come_back() -> None:
+    config = ServerConfig(http="127.0.0.1:0", header_timeout=10, limits=Limits(connections=5))
+    with BackgroundServer(Blocking(), config) as server, ExitStack() as stack:
+        port = server.ports[0]
+        held = stalled(port, b"", 5, stack)
+        extra = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=GENEROUS))
+        # Well within the header timeout: this one was closed for the cap, not for stalling.
+        assert wait_for(lambda: closed_by_server(extra), timeout=GENEROUS, what="the sixth connection closed")
+        assert not any(closed_by_server(conn) for conn in held)
+        for conn in held:
+            conn.close()
+        # A slot comes back when the server closes its side: at the latest, the header timeout after the connect.
+        answer = wait_for(lambda: _get_or_none(f"http://127.0.0.1:{port}/echo"), timeout=30,
+                          what="a slot to come back")
+        assert answer == b"echo:"
+
+
+def _get_or_none(url: str) -> bytes | None:
+    try:
+        return requests.get(url, timeout=1).content
+    except requests.RequestException:
+        return None

@@ -36,6 +36,7 @@ import contextlib
 import json
 import logging
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -71,6 +72,7 @@ class Limits:
     headers_bytes: int = 16 * 1024  # request line and all headers, h11's buffer (431 above)
     body: int = 64 * 1024  # bytes of body (413 above), as the Flask app's MAX_CONTENT_LENGTH
     queued: int = 64  # requests waiting for, or on, a worker thread (503 with Retry-After above)
+    connections: int = 512  # open connections on all listeners; past it a new one is closed at once
 
 
 @dataclass
@@ -361,14 +363,67 @@ def hypercorn_config(config: ServerConfig) -> Any:
     return hc
 
 
-def listen(hc: Any) -> Any:
+class _Slots:
+    """Open connections against a cap, shared by the listeners. Taken on accept (the event loop's thread), given
+    back on close (the same thread: asyncio closes a transport's socket on the loop)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open = 0
+
+    def take(self) -> bool:
+        if self.open >= self.cap:
+            return False
+        self.open += 1
+        return True
+
+    def give(self) -> None:
+        self.open -= 1
+
+
+class _CountedSocket(socket.socket):
+    slots: _Slots | None = None
+
+    def close(self) -> None:
+        slots, self.slots = self.slots, None
+        if slots is not None:
+            slots.give()
+        super().close()
+
+
+class _CappedListener(socket.socket):
+    """A listening socket whose accept() closes a connection at once when `slots` are all taken: memory stays
+    bounded (each connection costs tens of kilobytes, a TLS one more) however many a client opens."""
+
+    slots: _Slots
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        fd, address = self._accept()  # type: ignore[attr-defined]
+        conn = _CountedSocket(self.family, self.type, self.proto, fileno=fd)
+        if not self.slots.take():
+            conn.close()
+            log.debug("redfish: %d connections open, closed one from %s", self.slots.cap, address)
+            raise ConnectionAbortedError  # asyncio's accept loop drops it and goes on
+        conn.slots = self.slots
+        return conn, address
+
+
+def listen(hc: Any, connections: int) -> Any:
     """Bind and listen on every address now, so that a port in use fails before the app is built, and a client
     that connects while the app starts waits in the backlog instead of being refused."""
+    from hypercorn.config import Sockets
+
+    slots = _Slots(connections)
+
+    def capped(sock: socket.socket) -> socket.socket:
+        listener = _CappedListener(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        listener.slots = slots
+        listener.set_inheritable(False)
+        listener.listen(hc.backlog)
+        return listener
+
     sockets = hc.create_sockets()
-    for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
-        sock.set_inheritable(False)
-        sock.listen(hc.backlog)
-    return sockets
+    return Sockets([capped(s) for s in sockets.secure_sockets], [capped(s) for s in sockets.insecure_sockets], [])
 
 
 def close_sockets(sockets: Any) -> None:
@@ -427,7 +482,7 @@ def serve(app_factory: AppFactory, config: ServerConfig, *, probes: Mapping[str,
     first, then `app_factory` runs in this process; `probes` are answered on the event loop, without the app or
     credentials. `on_stop` runs once the server has stopped (or failed to start)."""
     hc = hypercorn_config(config)
-    sockets = listen(hc)
+    sockets = listen(hc, config.limits.connections)
     front: RedfishFront | None = None
     try:
         front = RedfishFront(app_factory(), probes=probes, threads=config.threads,
@@ -450,7 +505,7 @@ class BackgroundServer:
     def __init__(self, app: Any, config: ServerConfig, *, probes: Mapping[str, Probe] | None = None) -> None:
         self.config = config
         self._hc = hypercorn_config(config)
-        self._sockets = listen(self._hc)
+        self._sockets = listen(self._hc, config.limits.connections)
         self.ports = [sock.getsockname()[1] for sock in self._sockets.insecure_sockets]
         self.tls_ports = [sock.getsockname()[1] for sock in self._sockets.secure_sockets]
         self.front = RedfishFront(app, probes=probes, threads=config.threads, body_timeout=config.body_timeout,
