@@ -2,7 +2,8 @@
 
 - IPMI: `power status` repeated inside one ipmitool session (`ipmitool exec`), against pyghmi's fake BMC.
 - Redfish: GET of the System with 8 keep-alive connections (wrk), against sushy-tools' fake driver.
-- Memory: every process of one agent (gunicorn master + worker) serving a VM of a kubesim cluster.
+- Memory: every process of one agent (one since the Redfish server is hypercorn's event loop in the agent's
+  process) serving a VM of a kubesim cluster.
 
 Every load is bounded in count and time and sent to 127.0.0.1 only. Needs ipmitool and wrk (Debian packages)
 and the `bench` extra (sushy-tools). Usage: python bench/agent.py [--seconds S] [--commands N]
@@ -170,12 +171,13 @@ def bench_memory(agent: subprocess.Popen[Any]) -> None:
     pids = [agent.pid, *children(agent.pid)]
     print(f"Memory of one agent (kubevirt backend on kubesim, after the loads above), {len(pids)} processes")
     total_rss = total_pss = 0.0
-    for role, pid in zip(("gunicorn master", "worker (Machine, Redfish, IPMI)"), pids, strict=False):
+    roles = ("agent (Machine, Redfish, IPMI)",) if len(pids) == 1 else ("gunicorn master", "worker")
+    for role, pid in zip(roles, pids, strict=False):
         rss, pss = memory_of([pid])
         total_rss, total_pss = total_rss + rss, total_pss + pss
         print(f"{role:<34}RSS {rss:6.1f} MB   PSS {pss:6.1f} MB")
     print(f"{'all processes':<34}RSS {total_rss:6.1f} MB   PSS {total_pss:6.1f} MB  "
-          "(PSS counts a page shared by the two processes once, as the pod's cgroup does)")
+          "(PSS counts a page shared by several processes once, as the pod's cgroup does)")
     print(f"target: under 60 MB: {'met' if total_pss < 60 else 'NOT met'} by PSS, "
           f"{'met' if total_rss < 60 else 'NOT met'} by summed RSS")
     print()

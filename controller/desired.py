@@ -206,7 +206,7 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
     ports: list[Obj] = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     if spec.ipmi.enabled:
         ports.insert(0, {"name": "ipmi", "containerPort": IPMI_PORT, "protocol": "UDP"})
-    # The root filesystem is read-only; gunicorn's worker heartbeat and Python's tempfile need a writable TMPDIR.
+    # The root filesystem is read-only; Python's tempfile needs a writable TMPDIR.
     mounts: list[Obj] = [{"name": "tmp", "mountPath": RUN_DIR}]
     volumes: list[Obj] = [{"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}}]
     annotations = {CREDENTIALS_CHECKSUM: checksum(credentials, CREDENTIAL_KEYS)}

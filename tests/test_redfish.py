@@ -585,9 +585,9 @@ def test_sushy_insert_without_a_cdrom_reports_the_reason(cdromless_service: Serv
     assert not cdromless_service.machine.virtual_media().inserted
 
 
-# ---- gunicorn: TLS, both listeners in one worker, hooks, SIGTERM, memory
+# ---- the agent's server: TLS and plain listeners in one process, hooks, SIGTERM, memory
 
-GUNICORN_MAIN = """
+SERVER_MAIN = """
 import sys
 from vbmc.redfish.server import ServerConfig, serve
 
@@ -597,14 +597,14 @@ def factory():
     return create_app(MemoryMachine("vm1"), "admin", "s3cret")
 
 def started():
-    print("worker started", flush=True)
+    print("server started", flush=True)
 
 def stopped():
-    print("worker stopped", flush=True)
+    print("server stopped", flush=True)
 
 http, https, cert, key = sys.argv[1:5]
-serve(factory, ServerConfig(http=http, https=https, certfile=cert, keyfile=key),
-      on_worker_start=started, on_worker_exit=stopped)
+serve(factory, ServerConfig(http=http, https=https, certfile=cert, keyfile=key), probes={"/healthz": lambda: True},
+      on_start=started, on_stop=stopped)
 """
 
 
@@ -631,7 +631,7 @@ def make_self_signed(directory: Path) -> tuple[Path, Path]:
 
 
 @dataclass
-class Gunicorn:
+class Server:
     process: subprocess.Popen[str]
     http: str
     https: str
@@ -640,17 +640,17 @@ class Gunicorn:
 
 
 @pytest.fixture
-def gunicorn(tmp_path: Path) -> Iterator[Gunicorn]:
+def server(tmp_path: Path) -> Iterator[Server]:
     cert, key = make_self_signed(tmp_path)
     http, https = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    log = tmp_path / "gunicorn.log"
-    proc = subprocess.Popen([sys.executable, "-c", GUNICORN_MAIN, http, https, str(cert), str(key)],
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_MAIN, http, https, str(cert), str(key)],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, cwd=REPO,  # noqa: SIM115
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Gunicorn(proc, f"http://{http}", f"https://{https}", cert, log)
+    server = Server(proc, f"http://{http}", f"https://{https}", cert, log)
     try:
         wait_for(lambda: requests.get(server.http + "/redfish/v1", timeout=1).status_code == 200, timeout=20,
-                 what=f"gunicorn to answer: {log.read_text() if log.exists() else ''}")
+                 what=f"the server to answer: {log.read_text() if log.exists() else ''}")
         yield server
     finally:
         if proc.poll() is None:
@@ -666,45 +666,37 @@ def memory_kb(pid: int) -> dict[str, int]:
     return values
 
 
-def test_gunicorn_serves_http_and_https_from_one_worker_and_stops_on_sigterm(gunicorn: Gunicorn) -> None:
-    plain = requests.get(gunicorn.http + SYSTEM, auth=(USER, PASSWORD), timeout=5)
+def test_server_serves_http_and_https_from_one_process_and_stops_on_sigterm(server: Server) -> None:
+    plain = requests.get(server.http + SYSTEM, auth=(USER, PASSWORD), timeout=5)
     assert plain.status_code == 200
-    secure = requests.get(gunicorn.https + SYSTEM, auth=(USER, PASSWORD), timeout=5, verify=str(gunicorn.cert))
+    secure = requests.get(server.https + SYSTEM, auth=(USER, PASSWORD), timeout=5, verify=str(server.cert))
     assert secure.status_code == 200 and secure.json()["UUID"] == plain.json()["UUID"]
     with pytest.raises(requests.exceptions.SSLError):
-        requests.get(gunicorn.https + "/redfish/v1", timeout=5)  # the self-signed cert is not trusted by default
-    # A write through one listener is seen through the other: one worker, one Machine.
-    assert requests.post(gunicorn.https + RESET, json={"ResetType": "On"}, auth=(USER, PASSWORD), timeout=5,
-                         verify=str(gunicorn.cert)).status_code == 204
-    assert requests.get(gunicorn.http + SYSTEM, auth=(USER, PASSWORD), timeout=5).json()["PowerState"] == "On"
+        requests.get(server.https + "/redfish/v1", timeout=5)  # the self-signed cert is not trusted by default
+    # A write through one listener is seen through the other: one process, one Machine.
+    assert requests.post(server.https + RESET, json={"ResetType": "On"}, auth=(USER, PASSWORD), timeout=5,
+                         verify=str(server.cert)).status_code == 204
+    assert requests.get(server.http + SYSTEM, auth=(USER, PASSWORD), timeout=5).json()["PowerState"] == "On"
     # Keep-alive: one connection, many requests.
     with requests.Session() as keep:
         keep.auth = (USER, PASSWORD)
         for _ in range(20):
-            assert keep.get(gunicorn.http + SYSTEM, timeout=5).status_code == 200
+            assert keep.get(server.http + SYSTEM, timeout=5).status_code == 200
+    # The probe is the server's own: no credentials, on both listeners.
+    assert requests.get(server.http + "/healthz", timeout=5).text == "ok\n"
+    assert requests.get(server.https + "/healthz", timeout=5, verify=str(server.cert)).text == "ok\n"
 
-    children = [int(p) for p in Path(f"/proc/{gunicorn.process.pid}/task/{gunicorn.process.pid}/children")
-                .read_text().split()]
-    assert len(children) == 1, "one worker"
-    master, worker = memory_kb(gunicorn.process.pid), memory_kb(children[0])
-    rss = master["Rss"] + worker["Rss"]
-    pss = master["Pss"] + worker["Pss"]
-    print(f"\nmemory: master Rss {master['Rss']} kB Pss {master['Pss']} kB, worker Rss {worker['Rss']} kB "
-          f"Pss {worker['Pss']} kB; total Rss {rss} kB, Pss {pss} kB")
-    assert pss < 60 * 1024, f"Redfish alone uses {pss} kB of the agent's 60 MB"
-    assert "worker started" in wait_for(gunicorn.log.read_text, what="the start hook")
+    children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+    assert children == [], "one process: no master, no worker"
+    memory = memory_kb(server.process.pid)
+    print(f"\nmemory: Rss {memory['Rss']} kB, Pss {memory['Pss']} kB")
+    assert memory["Pss"] < 60 * 1024, f"Redfish alone uses {memory['Pss']} kB of the agent's 60 MB"
+    assert "server started" in wait_for(server.log.read_text, what="the start hook")
 
     started = time.monotonic()
-    gunicorn.process.send_signal(signal.SIGTERM)
-    gunicorn.process.wait(timeout=5)
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(timeout=5)
     assert time.monotonic() - started < 2, "SIGTERM must stop the server within two seconds"
-    assert "worker stopped" in gunicorn.log.read_text()
-    assert not alive(children[0]), "the worker went with the master"
+    assert "server stopped" in server.log.read_text()
+    assert "Traceback" not in server.log.read_text()
 
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")  # a zombie waiting for a reaper has stopped

@@ -1,8 +1,9 @@
 """`kubevbmc agent`: one process serving IPMI and Redfish for one VM.
 
-gunicorn's master forks one worker; everything that holds state lives in that worker: the Machine (and its watch
-on the VM), the Redfish app and the IPMI server, so both protocols see one model. The master imports neither
-Flask nor the backend. SIGTERM stops both servers within two seconds.
+One process holds everything: the Machine (and its watch on the VM), the Redfish app with its server
+(vbmc/redfish/server.py: an asyncio front that answers the health probes itself and hands whole requests to a
+few worker threads) and the IPMI server, so both protocols see one model. SIGTERM stops both servers within two
+seconds.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from .throttle import Engaged, LoginThrottle
 
 log = logging.getLogger("vbmc.agent")
 
-HEALTH_PATHS = ("/healthz", "/readyz")
 METRICS_PATH = "/metrics"
 
 
@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", default="", help="default: $KUBECONFIG, else in-cluster")
     # Two threads: one slow backend call does not block every client, and fewer threads fight less over the GIL
     # (measured with bench/agent.py: 8 threads give p99 20 ms, 2 give 13 ms, at 8 keep-alive connections).
+    # Connections take no thread: stalled and idle clients wait on the server's event loop.
     parser.add_argument("--threads", type=int, default=2, help="Redfish worker threads (default %(default)s)")
     parser.add_argument("--log-level", default=env("VBMC_LOG_LEVEL", "info"))
 
@@ -104,7 +105,7 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 class Agent:
-    """What runs in the worker: the Machine, the IPMI server and the Redfish app."""
+    """The Machine, the IPMI server and the Redfish app."""
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -163,12 +164,17 @@ class Agent:
         if c.ipmi_address:
             threading.Thread(target=self._start_ipmi, name="ipmi-start", daemon=True).start()
         if not c.redfish:
-            return _HealthEndpoints(_no_redfish, self.ready, self.throttle.metrics)
+            return _Metrics(_no_redfish, self.throttle.metrics)
         bmc_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"kubevbmc:{c.namespace}/{c.vm}"))
         app = create_app(self.machine, c.username, c.password, system_id=c.vm, bmc_uuid=bmc_uuid,
                          throttle=self.throttle)
-        app.wsgi_app = _HealthEndpoints(app.wsgi_app, self.ready, self.throttle.metrics)
+        app.wsgi_app = _Metrics(app.wsgi_app, self.throttle.metrics)
         return app
+
+    def probes(self) -> dict[str, Callable[[], bool]]:
+        """`/healthz` (the process serves) and `/readyz` (the VM is watched and IPMI is up), without auth,
+        answered by the server's event loop: no client and no slow backend call can hold them up."""
+        return {"/healthz": lambda: True, "/readyz": self.ready}
 
     def _start_ipmi(self) -> None:
         """IPMI answers RAKP with the system GUID, so it starts once the VM is known."""
@@ -201,29 +207,20 @@ class Agent:
             stop()
 
 
-class _HealthEndpoints:
-    """`/healthz` (the process serves) and `/readyz` (the VM is watched and IPMI is up), without auth; `/metrics`
-    (failed and throttled logins, Prometheus text: counts only, no addresses or names)."""
+class _Metrics:
+    """`/metrics` (failed and throttled logins, Prometheus text: counts only, no addresses or names), without
+    auth; everything else goes to the app."""
 
-    def __init__(self, app: Any, ready: Callable[[], bool], metrics: Callable[[], str] | None = None) -> None:
+    def __init__(self, app: Any, metrics: Callable[[], str]) -> None:
         self.app = app
-        self.ready = ready
         self.metrics = metrics
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if path == METRICS_PATH and self.metrics is not None:
-            text = self.metrics().encode()
-            start_response("200 OK", [("Content-Type", "text/plain; version=0.0.4"),
-                                      ("Content-Length", str(len(text)))])
-            return [text]
-        if path not in HEALTH_PATHS:
+        if environ.get("PATH_INFO", "") != METRICS_PATH:
             return self.app(environ, start_response)
-        ok = path == "/healthz" or self.ready()
-        body = b"ok\n" if ok else b"not ready\n"
-        start_response("200 OK" if ok else "503 Service Unavailable",
-                       [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
-        return [body]
+        text = self.metrics().encode()
+        start_response("200 OK", [("Content-Type", "text/plain; version=0.0.4"), ("Content-Length", str(len(text)))])
+        return [text]
 
 
 @functools.cache
@@ -259,9 +256,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from .redfish.server import ServerConfig, serve
 
-    # Nothing heavy is imported here: the master stays a bare gunicorn arbiter, and the worker loads Flask, the
-    # IPMI server and the backend after the fork (measured: preloading them costs more, because reference
-    # counting in the worker un-shares the preloaded pages anyway).
     agent = Agent(config)
     server_config = ServerConfig(
         http=config.redfish_address or None, https=config.redfish_tls_address or None,
@@ -270,5 +264,9 @@ def run(args: argparse.Namespace) -> int:
              config.ipmi_address or "-", (config.redfish_address or "-") if config.redfish else "off",
              config.redfish_tls_address or "-",
              config.backend)
-    serve(agent.app, server_config, on_worker_exit=agent.shutdown)
+    try:
+        serve(agent.app, server_config, probes=agent.probes(), on_stop=agent.shutdown)
+    except (OSError, ValueError) as exc:
+        log.error("agent: cannot serve Redfish: %s", exc)
+        return 1
     return 0
