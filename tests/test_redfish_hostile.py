@@ -168,6 +168,7 @@ def test_an_unreachable_backend_is_still_503() -> None:
 
 @pytest.mark.parametrize(("raw", "key"), [
     (b"[1]", "MalformedJSON"),
+    ('{"a":"b"}'.encode("utf-16"), "MalformedJSON"),
     (b'{"a":' * 33 + b"1" + b"}" * 33, "MalformedJSON"),
     (b'{"a":"' + b"\\ud800" + b'"}', "PropertyValueFormatError"),
     (b'{"\\udfff":1}', "MalformedJSON"),
