@@ -85,8 +85,8 @@ def load_json(raw: bytes) -> dict[str, Any]:
     if depth > MAX_DEPTH:
         raise RedfishError(400, "MalformedJSON", detail=f"The body is nested deeper than {MAX_DEPTH} levels.")
     try:
-        # Decoded here: json.loads would also take UTF-16 and UTF-32; Redfish bodies are UTF-8.
-        doc = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float,
+        # Decoded here: json.loads would also take UTF-16 and UTF-32; Redfish bodies are UTF-8 (a BOM is ignored).
+        doc = json.loads(raw.decode("utf-8-sig"), parse_constant=_no_constant, parse_float=_finite_float,
                          parse_int=_bounded_int)
     except (ValueError, RecursionError):
         raise RedfishError(400, "MalformedJSON") from None
