@@ -22,7 +22,7 @@ from tests.redfish_fuzz import Fuzzer, answer_problem, send_raw, wsgi_path
 from vbmc.machine import BackendUnavailable
 from vbmc.memory import MemoryMachine
 from vbmc.redfish import payloads
-from vbmc.redfish.app import create_app
+from vbmc.redfish.app import create_app, image_url_problem
 from vbmc.redfish.errors import RedfishError
 
 VM = "demo"
@@ -168,6 +168,7 @@ def test_an_unreachable_backend_is_still_503() -> None:
 
 @pytest.mark.parametrize(("raw", "key"), [
     (b"[1]", "MalformedJSON"),
+    ('{"a":"b"}'.encode("utf-16"), "MalformedJSON"),
     (b'{"a":' * 33 + b"1" + b"}" * 33, "MalformedJSON"),
     (b'{"a":"' + b"\\ud800" + b'"}', "PropertyValueFormatError"),
     (b'{"\\udfff":1}', "MalformedJSON"),
@@ -193,6 +194,33 @@ def test_an_error_about_the_password_never_echoes_it(body: dict[str, Any]) -> No
     assert resp.status_code == 400
     assert b"hunter2" not in resp.get_data()
     assert resp.json is not None and "(redacted)" in resp.json["error"]["@Message.ExtendedInfo"][0]["MessageArgs"]
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("http://images.example.com/installer.iso", None),
+    ("https://images.example.com:8443/a/b.iso?token=x#frag", None),
+    ("http://10.0.0.1/x.iso", None),
+    ("http://[fd00::1]:8080/x.iso", None),
+    ("http://[fe80::1%25eth0]/x.iso", None),
+    ("https://user:pw@host/x.iso", None),
+    ("http://[::1/x", "malformed"),
+    ("http://[zz::1]/x", "malformed"),
+    ("http://host:99999/x", "malformed"),
+    ("http://host:0/x", "port"),
+    ("http:///x.iso", "no host"),
+    ("ftp://host/x.iso", "http or https"),
+    ("/x.iso", "http or https"),
+    ("http://ho st/x", "space"),
+    ("http://host/\x00", "control"),
+    ("http://bücher.example/x", "host"),
+    ("http://host/" + "a" * 3000, "longer"),
+])
+def test_image_url_problem(url: str, problem: str | None) -> None:
+    found = image_url_problem(url)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem in found
 
 
 def test_load_json_accepts_the_depth_a_real_body_has() -> None:

@@ -85,7 +85,9 @@ def load_json(raw: bytes) -> dict[str, Any]:
     if depth > MAX_DEPTH:
         raise RedfishError(400, "MalformedJSON", detail=f"The body is nested deeper than {MAX_DEPTH} levels.")
     try:
-        doc = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int)
+        # Decoded here: json.loads would also take UTF-16 and UTF-32; Redfish bodies are UTF-8 (a BOM is ignored).
+        doc = json.loads(raw.decode("utf-8-sig"), parse_constant=_no_constant, parse_float=_finite_float,
+                         parse_int=_bounded_int)
     except (ValueError, RecursionError):
         raise RedfishError(400, "MalformedJSON") from None
     if not isinstance(doc, dict):
