@@ -47,6 +47,10 @@ class Credentials:
     ca_file: str = ""
     cert_file: str = ""
     key_file: str = ""
+    # A kubeconfig's inline `-data`: kept in memory, never written to a file that would outlive the process.
+    ca_data: bytes = b""
+    cert_data: bytes = b""
+    key_data: bytes = b""
     insecure: bool = False
     namespace: str = "default"
 
@@ -85,9 +89,9 @@ def _from_kubeconfig(path: str) -> Credentials:
     base = os.path.dirname(os.path.abspath(path))
     creds = Credentials(cluster["server"], namespace=context.get("namespace") or "default",
                         insecure=bool(cluster.get("insecure-skip-tls-verify")))
-    creds.ca_file = _file(cluster, "certificate-authority", base)
-    creds.cert_file = _file(user, "client-certificate", base)
-    creds.key_file = _file(user, "client-key", base)
+    creds.ca_file, creds.ca_data = _material(cluster, "certificate-authority", base)
+    creds.cert_file, creds.cert_data = _material(user, "client-certificate", base)
+    creds.key_file, creds.key_data = _material(user, "client-key", base)
     creds.token = user.get("token") or ""
     if not creds.token and user.get("tokenFile"):
         with open(user["tokenFile"], encoding="utf-8") as fh:
@@ -95,16 +99,33 @@ def _from_kubeconfig(path: str) -> Credentials:
     return creds
 
 
-def _file(section: Obj, key: str, base: str) -> str:
-    """A kubeconfig file reference, writing inline `-data` to a private temporary file."""
+def _material(section: Obj, key: str, base: str) -> tuple[str, bytes]:
+    """A kubeconfig's file reference, or its inline `-data` (decoded, in memory)."""
     if section.get(f"{key}-data"):
-        fd, name = tempfile.mkstemp(prefix="kubevbmc-", suffix=".pem")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(base64.b64decode(section[f"{key}-data"]))
-        return name
+        return "", base64.b64decode(section[f"{key}-data"])
     if section.get(key):
-        return str(os.path.join(base, section[key]))
-    return ""
+        return str(os.path.join(base, section[key])), b""
+    return "", b""
+
+
+def _load_client_cert(context: ssl.SSLContext, creds: Credentials) -> None:
+    """The client certificate and key into `context`. OpenSSL loads a chain from files only: inline data goes
+    through a private directory that is removed as soon as it is loaded, whatever happens."""
+    if not (creds.cert_data or creds.key_data):
+        if creds.cert_file:
+            context.load_cert_chain(creds.cert_file, creds.key_file or None)
+        return
+    with tempfile.TemporaryDirectory(prefix="kubevbmc-") as directory:  # mode 0700
+        paths = []
+        for name, data, path in (("tls.crt", creds.cert_data, creds.cert_file),
+                                 ("tls.key", creds.key_data, creds.key_file)):
+            if data:
+                path = os.path.join(directory, name)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+            paths.append(path)
+        context.load_cert_chain(paths[0], paths[1] or None)
 
 
 class KubeClient:
@@ -113,12 +134,12 @@ class KubeClient:
         self.timeout = timeout
         kwargs: dict[str, Any] = {"maxsize": maxsize, "retries": False, "block": False}
         if creds.server.startswith("https"):
-            context = ssl.create_default_context(cafile=creds.ca_file or None)
+            context = ssl.create_default_context(cafile=creds.ca_file or None,
+                                                 cadata=creds.ca_data.decode() if creds.ca_data else None)
             if creds.insecure:
                 context.check_hostname = False
                 context.verify_mode = ssl.CERT_NONE
-            if creds.cert_file:
-                context.load_cert_chain(creds.cert_file, creds.key_file or None)
+            _load_client_cert(context, creds)
             kwargs["ssl_context"] = context
         self._pool = urllib3.PoolManager(**kwargs)
         self._headers = {"Accept": "application/json", "User-Agent": "kubevbmc-agent"}
