@@ -7,17 +7,23 @@ import base64
 import hashlib
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from controller import certificates, desired
 from controller.settings import Settings
 from kubesim.cluster import Cluster, SimConfig
+from vbmc.audit import redact_url
 from vbmc.kube import KubeClient, load_credentials
 
+from .agents import AgentProcess
+from .conftest import call, wait_for
 from .test_controller_units import bmc
+from .vms import make_bmc, make_vm
 
 
 def credentials(password: str, uid: str = "uid-1", resource_version: str = "7") -> dict[str, Any]:
@@ -72,3 +78,69 @@ def test_the_agents_api_client_writes_no_pem_file(tmp_path: Path, monkeypatch: p
         client = KubeClient(load_credentials(sim.kubeconfig))
         assert client.request("GET", "/api/v1/namespaces")["items"]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("http://user:pw@images.example.com/x.iso", "http://images.example.com/x.iso"),
+    ("https://u%40corp:p%3Aw@host:8443/a/b.iso?sig=1#f", "https://host:8443/a/b.iso?sig=1#f"),
+    ("http://a@b@host/x.iso", "http://host/x.iso"),  # the last @ ends the userinfo
+    ("http://host/path/with@sign.iso", "http://host/path/with@sign.iso"),  # an @ after the authority is kept
+    ("http://user:pw@[::1/x", "http://[::1/x"),  # malformed: still redacted, no exception
+    ("not a url", "not a url"),
+])
+def test_an_image_url_is_shown_without_its_userinfo(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+@pytest.fixture
+def agent(sim: Any, api: client.ApiClient, namespace: str, bmc_crd: None) -> Iterator[AgentProcess]:
+    make_vm(api, namespace)
+    make_bmc(api, namespace)
+    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": sim.kubeconfig})
+    try:
+        wait_for(process.ready, timeout=20, what="the agent to be ready")
+        yield process
+    finally:
+        process.stop()
+
+
+CD = "/redfish/v1/Systems/vm/VirtualMedia/Cd"
+
+
+def test_credentials_in_an_image_url_reach_the_import_but_no_event_log_or_redfish_answer(
+        agent: AgentProcess, api: client.ApiClient, namespace: str) -> None:
+    url = "http://mediauser:media-pw-42@images.example.com/installer.iso"
+    status, _ = agent.redfish("POST", f"{CD}/Actions/VirtualMedia.InsertMedia", {"Image": url, "Inserted": True})
+    assert status in (200, 204)
+    dv = call(api, "GET", f"/apis/cdi.kubevirt.io/v1beta1/namespaces/{namespace}/datavolumes/vm-cdrom").body
+    assert dv["spec"]["source"]["http"]["url"] == url  # the importer needs them
+    status, cd = agent.redfish("GET", CD)
+    assert status == 200 and cd["Image"] == "http://images.example.com/installer.iso"
+    assert cd["ImageName"] == "installer.iso"
+
+    def inserted() -> list[dict[str, Any]]:
+        items = call(api, "GET", f"/api/v1/namespaces/{namespace}/events").body["items"]
+        return [e for e in items if e.get("reason") == "VirtualMediaInserted"]
+
+    event = wait_for(inserted, what="the VirtualMediaInserted Event")[0]
+    assert "http://images.example.com/installer.iso" in event["message"]
+    assert "media-pw-42" not in event["message"] and "mediauser" not in event["message"]
+    assert "media-pw-42" not in agent.output()
+
+
+@pytest.mark.parametrize("parameters", [{"UserName": "mediauser"}, {"Password": "media-pw-42"},
+                                        {"UserName": "mediauser", "Password": "media-pw-42"}])
+def test_insert_media_credentials_are_refused_never_dropped(agent: AgentProcess, api: client.ApiClient,
+                                                            namespace: str, parameters: dict[str, str]) -> None:
+    body = {"Image": "http://images.example.com/installer.iso", "Inserted": True, **parameters}
+    status, answer = agent.redfish("POST", f"{CD}/Actions/VirtualMedia.InsertMedia", body)
+    assert status == 400
+    info = answer["error"]["@Message.ExtendedInfo"][0]
+    assert info["MessageId"].endswith("ActionParameterNotSupported")
+    assert info["MessageArgs"][0] in parameters and info["MessageArgs"][1] == "VirtualMedia.InsertMedia"
+    assert agent.redfish("GET", CD)[1]["Inserted"] is False  # nothing was inserted
+    assert call(api, "GET", f"/apis/cdi.kubevirt.io/v1beta1/namespaces/{namespace}/datavolumes/vm-cdrom").status \
+        == 404
+    # What sushy sends on a retry: empty credentials are no credentials.
+    empty = {**body, "UserName": "", "Password": ""}
+    assert agent.redfish("POST", f"{CD}/Actions/VirtualMedia.InsertMedia", empty)[0] in (200, 204)

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from .. import audit
 from ..machine import (
     BackendUnavailable,
     BootEnabled,
@@ -134,8 +135,15 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
     # common case costs one constant-time comparison and no parsing.
     basic_header = "Basic " + base64.b64encode(user_b + b":" + password_b).decode()
 
+    def login_failed(user: str, why: str) -> None:
+        """One audit line per failed login (a request that carried credentials or a token that do not match)."""
+        g.audited = True
+        audit.record("login", system_id, f"denied: {why}", actor=audit.Actor("redfish", request.remote_addr or "",
+                                                                             user), level=logging.WARNING)
+
     @app.before_request
     def authenticate() -> None:
+        audit.bind(audit.Actor("redfish", request.remote_addr or ""))
         if request.method != "GET":
             g.started = time.perf_counter()
         path = request.path
@@ -145,18 +153,25 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         if token is not None:
             session = store.authenticate(token)
             if session is None:
+                login_failed("", "unknown or expired session token")
                 raise RedfishError(401, "NoValidSession", headers={"WWW-Authenticate": REALM})
             g.user = session.username
             g.session_id = session.id
+            audit.bind(audit.Actor("redfish", request.remote_addr or "", session.username, session.id))
             return
         header = request.headers.get("Authorization", "")
         if hmac.compare_digest(header.encode(), basic_header.encode()):
             g.user = username
+            audit.bind(audit.Actor("redfish", request.remote_addr or "", username))
             return
         auth = request.authorization
         if auth is not None and auth.type == "basic" and check_password(auth.username or "", auth.password or ""):
             g.user = auth.username
+            audit.bind(audit.Actor("redfish", request.remote_addr or "", auth.username or ""))
             return
+        if header:
+            login_failed(auth.username or "" if auth is not None else "", "wrong user name or password"
+                         if auth is not None and auth.type == "basic" else "unsupported Authorization header")
         raise RedfishError(401, "NoValidSession", headers={"WWW-Authenticate": REALM})
 
     def send(rendered: Rendered, status: int = 200, etag: bool = False,
@@ -203,12 +218,11 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
 
     @app.after_request
     def log_action(response: Response) -> Response:
-        if request.method not in ("GET", "HEAD", "OPTIONS"):
-            took = (time.perf_counter() - g.get("started", time.perf_counter())) * 1000
-            # One line per action, the same shape as the IPMI frontend's: who, protocol, action, VM, result, time.
-            log.info("redfish protocol=redfish action=%r vm=%s user=%s client=%s result=%d duration_ms=%.1f",
-                     f"{request.method} {request.path}", system_id, g.get("user", "-"), request.remote_addr,
-                     response.status_code, took)
+        if request.method not in ("GET", "HEAD", "OPTIONS") and not g.get("audited"):
+            # One audit line per action (vbmc/audit.py), the same fields as the IPMI frontend's.
+            took = time.perf_counter() - g.get("started", time.perf_counter())
+            audit.record(f"{request.method} {request.path}", system_id, str(response.status_code), took,
+                         level=logging.INFO if response.status_code < 400 else logging.WARNING)
         return response
 
     def body() -> dict[str, Any]:
@@ -464,6 +478,10 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         action = "VirtualMedia.InsertMedia"
         check_drive(owner, slot, action)
         parsed = payloads.parse_action(payloads.InsertMediaAction, body(), action)
+        for name, value in (("UserName", parsed.UserName), ("Password", parsed.Password)):
+            if value:  # refused, never dropped: the import would fail later, with the reason out of sight
+                raise RedfishError(400, "ActionParameterNotSupported", name, action, related=f"#/{name}",
+                                   detail=IMAGE_CREDENTIALS)
         _check_image(parsed.Image, "Image", action)
         if not parsed.Inserted:
             raise RedfishError(400, "ActionParameterValueNotInList", "false", "Inserted", action,
@@ -525,10 +543,12 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         creds = payloads.parse_patch(payloads.SessionCreate, {k: v for k, v in doc.items()
                                                               if k in ("UserName", "Password")}, {})
         if not check_password(creds.UserName, creds.Password):
+            login_failed(creds.UserName, "wrong user name or password")
             raise RedfishError(401, "NoValidSession", detail="The user name or password is incorrect.",
                                headers={"WWW-Authenticate": REALM})
         session = store.create(creds.UserName, request.remote_addr or "")
         g.user = creds.UserName
+        audit.bind(audit.Actor("redfish", request.remote_addr or "", creds.UserName, session.id))
         location = f"{SESSIONS}/{session.id}"
         return send_doc("Session", resources.session(session), 201,
                         headers={"X-Auth-Token": session.token, "Location": location})
@@ -581,6 +601,12 @@ class _LinkHeaders(dict[str, str]):
     def __missing__(self, kind: str) -> str:
         value = self[kind] = f"<{resources.schema_uri(kind)}>; rel=describedby"
         return value
+
+
+IMAGE_CREDENTIALS = (
+    "Image credentials are not stored by the BMC (it would have to create Secrets, which its Role cannot limit by "
+    "name). Use an image URL that needs none, or put them in the URL (http://user:password@host/image.iso): the "
+    "DataVolume then holds them, and the BMC shows the URL without them.")
 
 
 def _check_image(image: str, name: str, action: str | None) -> None:
