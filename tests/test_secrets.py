@@ -21,7 +21,7 @@ from vbmc.audit import redact_url
 from vbmc.kube import KubeClient, load_credentials
 
 from .agents import AgentProcess
-from .conftest import call, wait_for
+from .conftest import call, start_sim, wait_for
 from .test_controller_units import bmc
 from .vms import make_bmc, make_vm
 
@@ -144,3 +144,32 @@ def test_insert_media_credentials_are_refused_never_dropped(agent: AgentProcess,
     # What sushy sends on a retry: empty credentials are no credentials.
     empty = {**body, "UserName": "", "Password": ""}
     assert agent.redfish("POST", f"{CD}/Actions/VirtualMedia.InsertMedia", empty)[0] in (200, 204)
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+def test_kubesim_run_as_a_process_leaves_nothing_in_tmp_after_sigterm(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    sim = start_sim(tmp_path / "sim")
+    assert [p for p in scratch.rglob("*") if p.is_file() and b"PRIVATE KEY" in p.read_bytes()] == []
+    sim.stop()  # SIGTERM
+    assert leftovers(scratch) == []
+
+
+def test_an_agent_leaves_nothing_in_tmp_after_sigterm(tmp_path: Path, sim: Any, api: client.ApiClient,
+                                                      namespace: str, bmc_crd: None) -> None:
+    """It used to leave one PEM (the kubeconfig's CA) per start."""
+    make_vm(api, namespace)
+    make_bmc(api, namespace)
+    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm",
+                           env={"KUBECONFIG": sim.kubeconfig, "TMPDIR": str(tmp_path)})
+    try:
+        wait_for(process.ready, timeout=20, what="the agent to be ready")
+    finally:
+        assert process.stop() == 0
+    assert leftovers(tmp_path) == []
