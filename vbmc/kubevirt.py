@@ -234,7 +234,7 @@ class KubeVirtMachine(Machine):
         if reset_type not in SUPPORTED_RESETS:
             raise Unsupported(f"{reset_type} is not supported: KubeVirt has no NMI")
         if self._reset(reset_type):
-            self._event("PowerAction", f"{reset_type}")
+            self._event("PowerAction", f"power action {reset_type}")
 
     def _reset(self, reset_type: ResetType) -> bool:
         """The power action; False when the VM already was where it asked for (nothing was done)."""
