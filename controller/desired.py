@@ -24,7 +24,7 @@ OWNER_LABEL = "bmc.kubevirt.io/vmbmc"
 VM_LABEL = "bmc.kubevirt.io/vm"
 NAME_LABEL = "app.kubernetes.io/name"
 AGENT = "kubevbmc-agent"
-CREDENTIALS_CHECKSUM = "bmc.kubevirt.io/credentials-checksum"
+CREDENTIALS_VERSION = "bmc.kubevirt.io/credentials-version"
 TLS_CHECKSUM = "bmc.kubevirt.io/tls-checksum"
 
 IPMI_PORT, HTTP_PORT, HTTPS_PORT = 10623, 10080, 10443
@@ -185,8 +185,21 @@ def desired_ca_secret(bmc: Obj, vm: str, ca: KeyPair) -> Obj:
                      "tls.key": base64.b64encode(ca.key_pem).decode()}}
 
 
+def credentials_version(secret: Obj) -> str:
+    """What rolls the agent when its credentials Secret changes: the Secret's uid and resourceVersion.
+
+    Never a digest of the data: a hash of a username and password on the Deployment (readable by more people than
+    the Secret) would let anyone who reads Deployments test password guesses offline. The resourceVersion changes
+    with every write that changes the Secret (the API server skips no-op updates), so a change of its labels or
+    annotations also restarts the agent: rare, and harmless. A Secret deleted and created again has a new uid. The
+    same Secret gives the same value at every reconcile and after a controller restart, so nothing is written."""
+    meta = secret.get("metadata") or {}
+    return f"{meta.get('uid', '')}/{meta.get('resourceVersion', '')}"
+
+
 def checksum(secret: Obj | None, keys: tuple[str, ...] | None = None) -> str:
-    """sha256 of a Secret's data (only `keys` if given): a pod template annotation, so a change rolls the agent."""
+    """sha256 of a Secret's data (only `keys` if given): a pod template annotation, so a change rolls the agent.
+    Only for data that cannot be guessed (a generated private key), never for a password (`credentials_version`)."""
     data = (secret or {}).get("data") or {}
     digest = hashlib.sha256()
     for key in sorted(keys if keys is not None else data):
@@ -209,7 +222,7 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
     # The root filesystem is read-only; Python's tempfile needs a writable TMPDIR.
     mounts: list[Obj] = [{"name": "tmp", "mountPath": RUN_DIR}]
     volumes: list[Obj] = [{"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}}]
-    annotations = {CREDENTIALS_CHECKSUM: checksum(credentials, CREDENTIAL_KEYS)}
+    annotations = {CREDENTIALS_VERSION: credentials_version(credentials)}
     if spec.redfish.enabled and tls_secret is not None:
         args += ["--redfish-tls-address", f"$(POD_IP):{HTTPS_PORT}",
                  "--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]

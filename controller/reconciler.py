@@ -308,7 +308,7 @@ class Reconciler:
         self._remember(kind, result)
         if why == "created":
             created.append(f"{kind} {meta['name']}")
-        elif desired.CREDENTIALS_CHECKSUM in why:
+        elif desired.CREDENTIALS_VERSION in why:
             self.recorder.event(bmc, "Normal", "CredentialsChanged",
                                 f"the credentials Secret changed: restarting the agent ({kind} {meta['name']})")
         else:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import ssl
+import tempfile
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -21,6 +24,21 @@ class ServingCert:
     ca_pem: bytes
     cert_pem: bytes
     key_pem: bytes
+
+    def server_context(self) -> ssl.SSLContext:
+        """A TLS server context with this certificate. OpenSSL reads a key from a file only: the key goes
+        through a private directory that is removed as soon as it is loaded, so no key outlives the call."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        with tempfile.TemporaryDirectory(prefix="kubesim-tls-") as directory:  # mode 0700
+            paths = []
+            for name, data in (("apiserver.crt", self.cert_pem), ("apiserver.key", self.key_pem)):
+                path = os.path.join(directory, name)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+                paths.append(path)
+            context.load_cert_chain(paths[0], paths[1])
+        return context
 
 
 def _name(common_name: str) -> x509.Name:

@@ -7,7 +7,7 @@ import logging
 import os
 import platform
 import secrets
-import ssl
+import shutil
 import tempfile
 import threading
 import time
@@ -143,17 +143,8 @@ class Cluster:
         self.admin_token = secrets.token_hex(16)
         self.tokens = TokenTable({self.admin_token: ADMIN_USER})
         self.certs = serving_cert(["127.0.0.1", "localhost", self.config.host, "kubernetes.default.svc"])
-        self.cert_dir = tempfile.mkdtemp(prefix="kubesim-tls-")
-        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        cert_file, key_file = (os.path.join(self.cert_dir, n) for n in ("apiserver.crt", "apiserver.key"))
-        with open(cert_file, "wb") as fh:
-            fh.write(self.certs.cert_pem)
-        with open(key_file, "wb") as fh:
-            fh.write(self.certs.key_pem)
-        tls.load_cert_chain(cert_file, key_file)
-        self.ca_file = os.path.join(self.cert_dir, "ca.crt")
-        with open(self.ca_file, "wb") as fh:
-            fh.write(self.certs.ca_pem)
+        tls = self.certs.server_context()  # no key file is left behind
+        self._temporary: list[str] = []  # directories this cluster made, removed by stop()
         self.server = ApiServer(self.store, self.tokens, self.config.bookmark_interval, tls)
         self.components: list[Component] = []
         self.address = ""
@@ -206,13 +197,18 @@ class Cluster:
                 component.stop()
             except Exception:
                 log.exception("stopping %s", component)
+        for directory in self._temporary:
+            shutil.rmtree(directory, ignore_errors=True)  # kubeconfigs hold tokens
+        self._temporary.clear()
 
     def write_kubeconfig(self, path: str, token: str, user: str, namespace: str = "default", *,
                          token_file: str = "", ca_file: str = "") -> str:
         """A kubeconfig for `user`: with `token` inline, or naming `token_file` (read again by clients as it
         rotates); the CA inline, or as `ca_file`."""
         if not path:
-            path = os.path.join(tempfile.mkdtemp(prefix="kubesim-"), "kubeconfig")
+            directory = tempfile.mkdtemp(prefix="kubesim-")
+            self._temporary.append(directory)
+            path = os.path.join(directory, "kubeconfig")
         cluster: dict[str, Any] = {"server": self.url}
         if ca_file:
             cluster["certificate-authority"] = ca_file

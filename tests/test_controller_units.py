@@ -34,8 +34,9 @@ def bmc(**spec: Any) -> dict[str, Any]:
             "spec": {"virtualMachineRef": {"name": "vm"}, "authSecretRef": {"name": "auth"}, **spec}}
 
 
-def secret(**data: str) -> dict[str, Any]:
-    return {"metadata": {"name": "auth"}, "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+def secret(resource_version: str = "1", **data: str) -> dict[str, Any]:
+    return {"metadata": {"name": "auth", "uid": "u-auth", "resourceVersion": resource_version},
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
 
 
 def test_every_child_is_named_from_the_vm_labelled_and_controlled_by_the_bmc() -> None:
@@ -100,8 +101,8 @@ def test_the_agent_deployment_is_locked_down_and_rolls_on_credential_changes() -
     tls = desired.desired_tls_secret(bmc(), "vm", certificates.TLSMaterial(b"c", b"k", b"a"))
     one = desired.desired_deployment(bmc(), "vm", Settings(agent_image="img:1"), secret(username="u", password="p"),
                                      tls)
-    two = desired.desired_deployment(bmc(), "vm", Settings(agent_image="img:1"), secret(username="u", password="q"),
-                                     tls)
+    two = desired.desired_deployment(bmc(), "vm", Settings(agent_image="img:1"),
+                                     secret(resource_version="2", username="u", password="q"), tls)
     spec = one["spec"]
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
     pod = spec["template"]["spec"]
@@ -114,7 +115,7 @@ def test_the_agent_deployment_is_locked_down_and_rolls_on_credential_changes() -
                                                                           (10443, "TCP")}
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["resources"]["requests"]
-    key = desired.CREDENTIALS_CHECKSUM
+    key = desired.CREDENTIALS_VERSION
     assert spec["template"]["metadata"]["annotations"][key] != two["spec"]["template"]["metadata"]["annotations"][key]
 
 

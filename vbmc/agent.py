@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Connections take no thread: stalled and idle clients wait on the server's event loop.
     parser.add_argument("--threads", type=int, default=2, help="Redfish worker threads (default %(default)s)")
     parser.add_argument("--log-level", default=env("VBMC_LOG_LEVEL", "info"))
+    parser.add_argument("--log-format", default=env("VBMC_LOG_FORMAT", "text"), choices=("text", "json"),
+                        help="text lines, or json: one object per line, audit fields as keys (default %(default)s)")
 
 
 def config_from(args: argparse.Namespace) -> AgentConfig:
@@ -239,16 +241,31 @@ def _no_redfish(environ: dict[str, Any], start_response: Callable[..., Any]) -> 
     return [body]
 
 
-class _JsonFormatter(logging.Formatter):
+class JsonFormatter(logging.Formatter):
+    """`--log-format json`: one object per line; an audit line's fields (vbmc/audit.py) are keys of it."""
+
     def format(self, record: logging.LogRecord) -> str:
-        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
-                "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        line: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        fields = getattr(record, "audit", None)
+        if isinstance(fields, dict):
+            line.update(fields)
+        if record.exc_info:
+            line["error"] = self.formatException(record.exc_info)
         return json.dumps(line)
 
 
+def configure_logging(level: str, log_format: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO), handlers=[handler])
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
         config = config_from(args)
     except ValueError as exc:

@@ -63,6 +63,10 @@ class Credentials:
     ca_file: str = ""
     cert_file: str = ""
     key_file: str = ""
+    # A kubeconfig's inline `-data`: kept in memory, never written to a file that would outlive the process.
+    ca_data: bytes = b""
+    cert_data: bytes = b""
+    key_data: bytes = b""
     insecure: bool = False
     namespace: str = "default"
 
@@ -101,9 +105,9 @@ def _from_kubeconfig(path: str) -> Credentials:
     base = os.path.dirname(os.path.abspath(path))
     creds = Credentials(cluster["server"], namespace=context.get("namespace") or "default",
                         insecure=bool(cluster.get("insecure-skip-tls-verify")))
-    creds.ca_file = _file(cluster, "certificate-authority", base)
-    creds.cert_file = _file(user, "client-certificate", base)
-    creds.key_file = _file(user, "client-key", base)
+    creds.ca_file, creds.ca_data = _material(cluster, "certificate-authority", base)
+    creds.cert_file, creds.cert_data = _material(user, "client-certificate", base)
+    creds.key_file, creds.key_data = _material(user, "client-key", base)
     creds.token = user.get("token") or ""
     if not creds.token and user.get("tokenFile"):
         # client-go resolves a relative tokenFile against the kubeconfig's directory, as the other file names.
@@ -124,16 +128,33 @@ def read_token(path: str) -> str:
     return token
 
 
-def _file(section: Obj, key: str, base: str) -> str:
-    """A kubeconfig file reference, writing inline `-data` to a private temporary file."""
+def _material(section: Obj, key: str, base: str) -> tuple[str, bytes]:
+    """A kubeconfig's file reference, or its inline `-data` (decoded, in memory)."""
     if section.get(f"{key}-data"):
-        fd, name = tempfile.mkstemp(prefix="kubevbmc-", suffix=".pem")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(base64.b64decode(section[f"{key}-data"]))
-        return name
+        return "", base64.b64decode(section[f"{key}-data"])
     if section.get(key):
-        return str(os.path.join(base, section[key]))
-    return ""
+        return str(os.path.join(base, section[key])), b""
+    return "", b""
+
+
+def _load_client_cert(context: ssl.SSLContext, creds: Credentials) -> None:
+    """The client certificate and key into `context`. OpenSSL loads a chain from files only: inline data goes
+    through a private directory that is removed as soon as it is loaded, whatever happens."""
+    if not (creds.cert_data or creds.key_data):
+        if creds.cert_file:
+            context.load_cert_chain(creds.cert_file, creds.key_file or None)
+        return
+    with tempfile.TemporaryDirectory(prefix="kubevbmc-") as directory:  # mode 0700
+        paths = []
+        for name, data, path in (("tls.crt", creds.cert_data, creds.cert_file),
+                                 ("tls.key", creds.key_data, creds.key_file)):
+            if data:
+                path = os.path.join(directory, name)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+            paths.append(path)
+        context.load_cert_chain(paths[0], paths[1] or None)
 
 
 def _read_ca(path: str) -> bytes:
@@ -151,8 +172,7 @@ def _tls_context(creds: Credentials, ca: bytes | None) -> ssl.SSLContext:
     if creds.insecure:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-    if creds.cert_file:
-        context.load_cert_chain(creds.cert_file, creds.key_file or None)
+    _load_client_cert(context, creds)
     return context
 
 
@@ -169,11 +189,11 @@ class KubeClient:
         self._refresh_seconds = refresh_seconds
         self._lock = threading.Lock()
         self._tls = creds.server.startswith("https")
-        self._ca = _read_ca(creds.ca_file) if self._tls and creds.ca_file else None
+        self._ca = (_read_ca(creds.ca_file) if creds.ca_file else creds.ca_data or None) if self._tls else None
         self._pool = self._new_pool(self._ca)
         self._base_headers = {"Accept": "application/json", "User-Agent": "kubevbmc-agent"}
         self._headers = self._with_token(creds.token)
-        self._rereads = bool(creds.token_file) or self._ca is not None
+        self._rereads = bool(creds.token_file) or (self._tls and bool(creds.ca_file))
         self._due = clock() + refresh_seconds
 
     def _new_pool(self, ca: bytes | None) -> urllib3.PoolManager:
@@ -208,7 +228,7 @@ class KubeClient:
                     self._headers = self._with_token(token)
                     changed = True
                     log.info("kube: read a new token from %s", self.creds.token_file)
-            if self._ca is not None:
+            if self._tls and self.creds.ca_file:
                 try:
                     ca = _read_ca(self.creds.ca_file)
                     pool = self._new_pool(ca) if ca != self._ca else None

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from . import bootorder, vmstate
+from . import audit, bootorder, vmstate
 from .kube import KubeClient, KubeError, Unreachable, merge_patched
 from .machine import (
     BackendUnavailable,
@@ -187,6 +187,9 @@ class KubeVirtMachine(Machine):
         else:
             target = self.vm_watch.obj or {}
         meta = target.get("metadata") or {}
+        by = audit.describe()
+        if by:
+            message = f"{message} ({by})"
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1", "kind": "Event",
@@ -233,6 +236,11 @@ class KubeVirtMachine(Machine):
     def reset(self, reset_type: ResetType) -> None:
         if reset_type not in SUPPORTED_RESETS:
             raise Unsupported(f"{reset_type} is not supported: KubeVirt has no NMI")
+        if self._reset(reset_type):
+            self._event("PowerAction", f"power action {reset_type}")
+
+    def _reset(self, reset_type: ResetType) -> bool:
+        """The power action; False when the VM already was where it asked for (nothing was done)."""
         with self._lock:
             vm = self._vm()
             state = vmstate.power_state(vm, self._vmi())
@@ -243,12 +251,12 @@ class KubeVirtMachine(Machine):
                         reset_type == ResetType.RESUME and state == PowerState.PAUSED):
                     raise InvalidRequest(f"cannot {action} a VM that is {state}")
                 self._subresource("virtualmachineinstances", action, {})
-                return
+                return True
             if reset_type == ResetType.PUSH_POWER_BUTTON:
                 reset_type = ResetType.GRACEFUL_SHUTDOWN if on else ResetType.ON
             if reset_type in (ResetType.ON, ResetType.FORCE_ON):
                 if on:
-                    return  # already on: success, no call
+                    return False  # already on: success, no call
                 self._ensure_manual(vm)
                 if state == PowerState.POWERING_OFF:
                     self._wait_powered_off()
@@ -256,7 +264,7 @@ class KubeVirtMachine(Machine):
                 self._settle(lambda power: power != PowerState.OFF)
             elif reset_type in (ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN):
                 if state == PowerState.OFF:
-                    return
+                    return False
                 self._ensure_manual(vm)
                 body = {"gracePeriod": 0} if reset_type == ResetType.FORCE_OFF else {}
                 self._subresource("virtualmachines", "stop", body, ok=_not_running)
@@ -279,6 +287,7 @@ class KubeVirtMachine(Machine):
                     self._subresource("virtualmachineinstances", "reset", {})
                 else:
                     self._subresource("virtualmachineinstances", "softreboot", {})
+            return True
 
     def _settle(self, done: Callable[[PowerState], bool], timeout: float = 0.5) -> None:
         """Let the cache see the effect of our own call, briefly, so that a status read (or the next command)
@@ -362,6 +371,7 @@ class KubeVirtMachine(Machine):
                 self._patch_vm(ops)
                 if record:
                     self._write_record(None)
+                    self._event("BootOverrideCleared", "cleared the boot override; restored the original boot order")
                 return
             order = bootorder.override_order(vm, override.target, original)
             ops += bootorder.order_patch(vm, order)
@@ -374,6 +384,7 @@ class KubeVirtMachine(Machine):
             # Record first: if the VM patch then fails, the record still restores the original order later.
             self._write_record(new_record)
             self._patch_vm(ops)
+            self._event("BootOverrideSet", f"boot from {override.target} ({override.enabled}, {override.mode})")
 
     def _mode_ops(self, vm: Obj, mode: BootMode) -> list[Obj]:
         spec = vmstate.template_spec(vm)
@@ -471,7 +482,7 @@ class KubeVirtMachine(Machine):
 
     def insert_media(self, image: str, slot: str = "Cd", write_protected: bool = True) -> None:
         if not image.startswith(("http://", "https://")):
-            raise InvalidRequest(f"the image must be an http or https URL: {image!r}")
+            raise InvalidRequest(f"the image must be an http or https URL: {audit.redact_url(image)!r}")
         with self._lock:
             vm = self._vm()
             disk = self._drive(vm, slot)
@@ -504,7 +515,7 @@ class KubeVirtMachine(Machine):
                 [{"op": "add", "path": "/spec/template/spec/volumes", "value": [volume]}] if volumes is None
                 else [{"op": "add", "path": "/spec/template/spec/volumes/-", "value": volume}])
             self._patch_vm(ops)
-            self._event("VirtualMediaInserted", f"inserted {image} into {disk}")
+            self._event("VirtualMediaInserted", f"inserted {audit.redact_url(image)} into {disk}")
 
     def eject_media(self, slot: str = "Cd") -> None:
         with self._lock:

@@ -9,6 +9,7 @@ receives, authenticates, answers and sends, and a stop() that returns at once.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import socket
 import struct
@@ -19,6 +20,7 @@ from concurrent import futures
 from importlib import metadata
 from typing import Any, NamedTuple, TypeVar
 
+from .. import audit
 from ..machine import BackendUnavailable, InvalidRequest, Machine, MachineError
 from ..throttle import LoginThrottle, source_key
 from . import codec, rmcp
@@ -340,16 +342,16 @@ class IpmiServer:
         """The one place an IPMI login is decided to have failed: logged, and counted against its source (unless
         it was when its RAKP 2 went out)."""
         self.throttle.failed(_host(session.sockaddr), "ipmi", session.username, charged=session.charged)
-        log.warning("ipmi protocol=ipmi action=authenticate vm=%s user=%r client=%s result=%r", self._vm,
-                    session.username, _client(session.sockaddr), reason,
-                    extra={"protocol": "ipmi", "action": "authenticate", "vm": self._vm, "user": session.username,
-                           "client": _client(session.sockaddr), "result": reason})
+        audit.record("login", self._vm, f"denied: {reason}", level=logging.WARNING,
+                     actor=audit.Actor("ipmi", _client(session.sockaddr), session.username))
 
     def close(self, session: RmcpPlusSession) -> None:
         if self._sessions.get(session.managed_session_id) is session:
             del self._sessions[session.managed_session_id]
 
     def handle_request(self, session: RmcpPlusSession, netfn: int, command: int, data: bytes) -> Reply:
+        audit.bind(audit.Actor("ipmi", _client(session.sockaddr), session.username,
+                               f"{session.managed_session_id:#010x}"))
         entry = self._commands.get((netfn, command))
         if entry is None:
             log.debug("ipmi unknown command netfn=%#04x command=%#04x vm=%s", netfn, command, self._vm)
@@ -374,20 +376,16 @@ class IpmiServer:
             level = logging.WARNING
         else:
             level = logging.INFO if entry.writes else logging.DEBUG
-        if log.isEnabledFor(level):
-            action = f"{entry.action}:{reply.detail}" if reply.detail else entry.action
-            result = "ok" if reply.completion == Completion.OK else f"{reply.completion:#04x} {error}".rstrip()
-            client = _client(session.sockaddr)
-            log.log(level, "ipmi protocol=ipmi action=%s vm=%s user=%s client=%s result=%r duration_ms=%.1f",
-                    action, self._vm, session.username, client, result, duration * 1000,
-                    extra={"protocol": "ipmi", "action": action, "vm": self._vm, "user": session.username,
-                           "client": client, "result": result, "duration_ms": round(duration * 1000, 1)})
+        action = f"{entry.action}:{reply.detail}" if reply.detail else entry.action
+        result = "ok" if reply.completion == Completion.OK else f"{reply.completion:#04x} {error}".rstrip()
+        audit.record(action, self._vm, result, duration, level=level)  # the actor handle_request bound
         return reply
 
     def _write(self, call: Callable[..., T], *args: Any) -> T:
         """A Machine write with a deadline: a stuck backend gets a node-busy answer, not a client timeout."""
         assert self._writer is not None
-        future = self._writer.submit(call, *args)
+        # In the caller's context: the backend names the actor (protocol, address, user) in its Events.
+        future = self._writer.submit(contextvars.copy_context().run, call, *args)
         try:
             return future.result(timeout=WRITE_DEADLINE)
         except futures.TimeoutError:

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from .. import audit
 from ..machine import (
     BackendUnavailable,
     BootEnabled,
@@ -156,15 +157,15 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         against the source address, logged, and answered 401."""
         client = request.remote_addr or ""
         throttle.failed(client, protocol, user)
-        log.warning("redfish protocol=redfish action=authenticate vm=%s user=%r client=%s result=%r", system_id,
-                    user, client, f"{protocol}: wrong user name or password",
-                    extra={"protocol": "redfish", "action": "authenticate", "vm": system_id, "user": user,
-                           "client": client, "result": "wrong user name or password"})
+        g.audited = True  # one audit line, this one, not the request's too
+        audit.record("login", system_id, f"denied: {protocol}: wrong user name or password",
+                     actor=audit.Actor("redfish", client, user), level=logging.WARNING)
         detail = "The user name or password is incorrect." if protocol == "redfish-session" else ""
         return RedfishError(401, "NoValidSession", detail=detail, headers={"WWW-Authenticate": REALM})
 
     @app.before_request
     def authenticate() -> None:
+        audit.bind(audit.Actor("redfish", request.remote_addr or ""))
         if request.method != "GET":
             g.started = time.perf_counter()
         path = request.path
@@ -176,9 +177,11 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
             # expired is not locked out for sending it a few more times.
             session = store.authenticate(token)
             if session is None:
+                login_failed("", "unknown or expired session token")
                 raise RedfishError(401, "NoValidSession", headers={"WWW-Authenticate": REALM})
             g.user = session.username
             g.session_id = session.id
+            audit.bind(audit.Actor("redfish", request.remote_addr or "", session.username, session.id))
             return
         header = request.headers.get("Authorization")
         if header is None:
@@ -187,11 +190,13 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         if hmac.compare_digest(header.encode(), basic_header.encode()):
             throttle.succeeded(request.remote_addr or "")
             g.user = username
+            audit.bind(audit.Actor("redfish", request.remote_addr or "", username))
             return
         auth = request.authorization
         if auth is not None and auth.type == "basic" and check_password(auth.username or "", auth.password or ""):
             throttle.succeeded(request.remote_addr or "")
             g.user = auth.username
+            audit.bind(audit.Actor("redfish", request.remote_addr or "", auth.username or ""))
             return
         if auth is None or auth.type != "basic":
             raise RedfishError(401, "NoValidSession", headers={"WWW-Authenticate": REALM})  # no password offered
@@ -249,12 +254,11 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
 
     @app.after_request
     def log_action(response: Response) -> Response:
-        if request.method not in ("GET", "HEAD", "OPTIONS"):
-            took = (time.perf_counter() - g.get("started", time.perf_counter())) * 1000
-            # One line per action, the same shape as the IPMI frontend's: who, protocol, action, VM, result, time.
-            log.info("redfish protocol=redfish action=%r vm=%s user=%s client=%s result=%d duration_ms=%.1f",
-                     f"{request.method} {request.path}", system_id, g.get("user", "-"), request.remote_addr,
-                     response.status_code, took)
+        if request.method not in ("GET", "HEAD", "OPTIONS") and not g.get("audited"):
+            # One audit line per action (vbmc/audit.py), the same fields as the IPMI frontend's.
+            took = time.perf_counter() - g.get("started", time.perf_counter())
+            audit.record(f"{request.method} {request.path}", system_id, str(response.status_code), took,
+                         level=logging.INFO if response.status_code < 400 else logging.WARNING)
         return response
 
     def body() -> dict[str, Any]:
@@ -510,6 +514,10 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         action = "VirtualMedia.InsertMedia"
         check_drive(owner, slot, action)
         parsed = payloads.parse_action(payloads.InsertMediaAction, body(), action)
+        for name, value in (("UserName", parsed.UserName), ("Password", parsed.Password)):
+            if value:  # refused, never dropped: the import would fail later, with the reason out of sight
+                raise RedfishError(400, "ActionParameterNotSupported", name, action, related=f"#/{name}",
+                                   detail=IMAGE_CREDENTIALS)
         _check_image(parsed.Image, "Image", action)
         if not parsed.Inserted:
             raise RedfishError(400, "ActionParameterValueNotInList", "false", "Inserted", action,
@@ -576,6 +584,7 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         throttle.succeeded(request.remote_addr or "")
         session = store.create(creds.UserName, request.remote_addr or "")
         g.user = creds.UserName
+        audit.bind(audit.Actor("redfish", request.remote_addr or "", creds.UserName, session.id))
         location = f"{SESSIONS}/{session.id}"
         return send_doc("Session", resources.session(session), 201,
                         headers={"X-Auth-Token": session.token, "Location": location})
@@ -676,6 +685,12 @@ def image_url_problem(image: str) -> str | None:
     if port == 0:
         return "The image URL's port is out of range."
     return None
+
+
+IMAGE_CREDENTIALS = (
+    "Image credentials are not stored by the BMC (it would have to create Secrets, which its Role cannot limit by "
+    "name). Use an image URL that needs none, or put them in the URL (http://user:password@host/image.iso): the "
+    "DataVolume then holds them, and the BMC shows the URL without them.")
 
 
 def _check_image(image: str, name: str, action: str | None) -> None:

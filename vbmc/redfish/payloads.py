@@ -38,8 +38,8 @@ class InsertMediaAction(_Body):
     Image: str
     Inserted: bool = True
     WriteProtected: bool = True
-    # Accepted so that clients sending them (sushy retries with some) are not refused; an http(s) image
-    # needs no credentials and is always streamed by CDI's importer.
+    # Empty values are accepted (sushy sends them on a retry); any other is refused with ActionParameterNotSupported
+    # (vbmc/redfish/app.py, insert_media), never dropped. CDI's importer always streams.
     UserName: str | None = None
     Password: str | None = None
     TransferMethod: Literal["Stream", "Upload"] | None = None

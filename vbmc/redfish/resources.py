@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..audit import redact_url
 from ..machine import (
     BootOverride,
     BootTarget,
@@ -324,7 +325,7 @@ def virtual_media(base: str, media: VirtualMedia) -> dict[str, Any]:
                     "Inserted": False, "WriteProtected": media.write_protected, "Status": {"State": "Absent"},
                     "Description": media.message})
         return doc
-    image = media.image or None
+    image = redact_url(media.image) or None  # an image URL's user and password are never shown
     failed = media.state == MediaState.FAILED
     doc.update({
         "MediaTypes": ["CD", "DVD"],

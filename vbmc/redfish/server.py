@@ -462,7 +462,7 @@ async def _serve(front: RedfishFront, hc: Any, sockets: Any, *, ready: threading
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (tests): the caller stops us
             loop.add_signal_handler(signum, stop.set)
-    server = asyncio.create_task(worker_serve(wrap_app(front, hc.wsgi_max_body_size, "asgi"),
+    server = asyncio.create_task(worker_serve(wrap_app(front, hc.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
                                               hc, sockets=sockets, shutdown_trigger=stop.wait))
     stopping = asyncio.create_task(stop.wait())
     if ready is not None:

@@ -1,0 +1,73 @@
+"""The audit trail: who did what to the VM, through which protocol, from where, and how it ended.
+
+Each frontend says once per request or command who is acting (`bind`: the protocol, the source address, the user,
+the session); the record is written where the command ends or a login fails (`record`): one log line on the
+`vbmc.audit` logger, with the same fields as attributes of the log record, so that `--log-format json` prints
+them as JSON keys. The backend names the actor in the Events it records (`describe`). Nothing here ever holds a
+password; URLs go through `redact_url` before they reach a log line, an Event or a Redfish property.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+log = logging.getLogger("vbmc.audit")
+
+FIELDS = ("protocol", "source", "user", "session", "action", "vm", "result", "duration_ms")
+
+
+@dataclass(frozen=True)
+class Actor:
+    protocol: str  # "ipmi" or "redfish"
+    source: str  # the client's address, as the agent sees it
+    user: str = ""  # empty before (or without) a login
+    session: str = ""  # the IPMI session id, or the Redfish session's Id; empty for HTTP Basic
+
+
+_actor: ContextVar[Actor | None] = ContextVar("vbmc_audit_actor", default=None)
+
+
+def bind(actor: Actor) -> None:
+    """Who acts in the current request or command (a thread's context; set again at every request)."""
+    _actor.set(actor)
+
+
+def current() -> Actor | None:
+    return _actor.get()
+
+
+def describe(actor: Actor | None = None) -> str:
+    """For an Event's message: "through redfish from 10.0.0.7 (user admin)"; empty when no frontend acts (the
+    agent on its own, such as a boot-once override consumed)."""
+    actor = actor or current()
+    if actor is None:
+        return ""
+    who = f" (user {actor.user})" if actor.user else ""
+    return f"through {actor.protocol} from {actor.source or 'an unknown address'}{who}"
+
+
+def record(action: str, vm: str, result: str, duration: float = 0.0, *, actor: Actor | None = None,
+           level: int = logging.INFO) -> None:
+    """One audit line: `action` on `vm` ended with `result` after `duration` seconds."""
+    actor = actor or current() or Actor("", "")
+    fields = {"protocol": actor.protocol or "-", "source": actor.source or "-", "user": actor.user or "-",
+              "session": actor.session or "-", "action": action, "vm": vm, "result": result,
+              "duration_ms": round(duration * 1000, 1)}
+    if log.isEnabledFor(level):
+        log.log(level, "audit " + " ".join(f"{k}=%r" if k in ("action", "result", "user") else f"{k}=%s"
+                                            for k in FIELDS), *fields.values(), extra={"audit": fields})
+
+
+def redact_url(url: str) -> str:
+    """`url` without its userinfo: `http://user:pw@host/x.iso` becomes `http://host/x.iso`. Pure string work, so
+    that a malformed URL (`http://[::1/x`) is redacted too, never an exception."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority = rest[:end]
+    if "@" not in authority:
+        return url
+    return f"{scheme}://{authority.rpartition('@')[2]}{rest[end:]}"
