@@ -297,13 +297,14 @@ def _environ(scope: Scope, body: bytes) -> dict[str, Any]:
     return environ
 
 
-# ---- errors below the app: h11's 400 and 431 as Redfish bodies
+# ---- below the app: HTTP/1.1 only, and h11's 400 and 431 as Redfish bodies
 
 
-def _render_protocol_errors() -> None:
-    """h11 rejects a malformed request line or header block, or one larger than its buffer, before any app sees
-    it; hypercorn then answers with an empty body. Answer with a Redfish error body instead, and never with a
-    5xx: a request line naming HTTP/2.0 or an unknown transfer coding is the client's error too (400)."""
+def _http1_with_redfish_errors() -> None:
+    """HTTP/1.1 only (see `http1_only`), and Redfish error bodies below the app: h11 rejects a malformed request
+    line or header block, or one larger than its buffer, before any app sees it, and hypercorn then answers with
+    an empty body. Answer with a Redfish error body instead, and never with a 5xx: an unknown transfer coding
+    (h11's 501) is the client's error too (400). hypercorn is pinned; tests/test_hostile_http.py checks both."""
     from hypercorn.protocol import h11 as hypercorn_h11
 
     if getattr(hypercorn_h11.H11Protocol, "_kubevbmc_errors", False):
@@ -321,8 +322,14 @@ def _render_protocol_errors() -> None:
         await self._send_h11_event(h11.Data(data=body))
         await self._send_h11_event(h11.EndOfMessage())
 
+    async def http1_only(self: Any, event: Any) -> None:
+        """No switch to HTTP/2 (`Upgrade: h2c`, or the prior-knowledge preface `PRI * HTTP/2.0`): every Redfish
+        client speaks HTTP/1.1, and an HTTP/2 connection that opens no stream escapes the header deadline
+        (hypercorn keeps it open), so a few hundred would hold every connection slot for good."""
+
     protocol: Any = hypercorn_h11.H11Protocol
     protocol._send_error_response = send_error_response
+    protocol._check_protocol = http1_only
     protocol._kubevbmc_errors = True
 
 
@@ -454,7 +461,7 @@ async def _serve(front: RedfishFront, hc: Any, sockets: Any, *, ready: threading
     from hypercorn.asyncio.run import worker_serve
     from hypercorn.utils import wrap_app
 
-    _render_protocol_errors()
+    _http1_with_redfish_errors()
     _small_tls_buffers()
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(_quiet_loop_errors)
