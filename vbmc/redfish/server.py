@@ -26,11 +26,11 @@ Measured (bench/slow_clients.py, bench/agent.py; the figures are in docs/referen
 with 200 stalled connections on each of the HTTP and HTTPS ports, gunicorn answered nothing, probes included,
 while here a normal client's GET of the System kept a p99 under 5 ms (under 9 ms with 200 + 200 trickling), with
 every stalled connection closed after 5 s. The price is per-request time: the event loop and the hop to a
-worker thread take about 0.4 ms that gunicorn's threads did not (at 8 connections 1651 requests/s against 2668,
-still 9x sushy-tools with a p99 of 10 ms). Against the alternatives: uvicorn has no header or handshake deadline
+worker thread take about 0.4 ms that gunicorn's threads did not (at 8 connections 1553 requests/s against 2079,
+still 9.8x sushy-tools with a p99 of 8 ms). Against the alternatives: uvicorn has no header or handshake deadline
 for a new connection (a stalled one stays open for good), and gunicorn's asgi worker none either; waitress reads
 whole requests on its own loop but has no TLS. The agent is also one process instead of a master and a worker
-(43.5 MB PSS on kubesim's VM, 53.3 MB before).
+(44.1 MB PSS on kubesim's VM, 52.8 MB before).
 
 SIGTERM (or SIGINT) stops accepting, lets in-flight requests finish for `graceful_timeout` seconds, runs the stop
 hook (the agent stops IPMI and its watches) and returns: the agent exits within two seconds."""
