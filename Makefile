@@ -37,6 +37,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/sim.py
 	$(BIN)/python bench/agent.py
+	$(BIN)/python bench/slow_clients.py
 	$(BIN)/python bench/controller.py
 	$(BIN)/python bench/apply.py
 
