@@ -41,9 +41,11 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/sim.py
 	$(BIN)/python bench/agent.py
+	$(BIN)/python bench/slow_clients.py
 	$(BIN)/python bench/controller.py
 	$(BIN)/python bench/apply.py
 	$(BIN)/python bench/redfish_fuzz.py
+	$(BIN)/python bench/ipmi_fuzz.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

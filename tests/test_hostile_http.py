@@ -361,3 +361,46 @@ def _get_or_none(url: str) -> bytes | None:
         return requests.get(url, timeout=1).content
     except requests.RequestException:
         return None
+
+
+def test_sigterm_stops_the_agent_within_two_seconds_with_stalled_connections_held(tmp_path: Path) -> None:
+    cert, key = make_self_signed(tmp_path)
+    tls_port = free_port()
+    process = AgentProcess("--backend", "memory", "--vm", "demo", "--redfish-tls-address", f"127.0.0.1:{tls_port}",
+                           "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        wait_for(process.ready, timeout=30, what=f"the agent to be ready: {process.output()}")
+        with ExitStack() as stack:
+            stalled(process.http_port, STALLED_REQUEST, 5, stack)
+            stalled(tls_port, STALLED_HANDSHAKE, 5, stack)
+            stalled(process.http_port, b"POST /redfish/v1/SessionService/Sessions HTTP/1.1\r\nHost: bmc\r\n"
+                    b"Content-Length: 100\r\n\r\n{", 5, stack)
+            keep = requests.Session()
+            stack.callback(keep.close)
+            assert keep.get(f"https://127.0.0.1:{tls_port}{SYSTEM}", auth=(USER, PASSWORD), verify=str(cert),
+                            timeout=GENEROUS).status_code == 200  # a kept-alive TLS connection, idle
+            started = time.monotonic()
+            code = process.stop()
+            took = time.monotonic() - started
+        assert code == 0
+        assert took < 2, f"SIGTERM took {took:.1f} s"
+    finally:
+        if process.proc.poll() is None:
+            process.proc.kill()
+    assert "Traceback" not in Path(process.log.name).read_text()
+
+
+@pytest.mark.parametrize("opening", [
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    b"GET /echo HTTP/1.1\r\nHost: bmc\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+    b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n",
+], ids=["prior-knowledge", "h2c-upgrade"])
+def test_http2_is_not_offered_so_an_idle_connection_cannot_escape_the_header_deadline(
+        blocking: tuple[Blocking, BackgroundServer], opening: bytes) -> None:
+    _, server = blocking
+    with socket.create_connection(("127.0.0.1", server.ports[0]), timeout=GENEROUS) as conn:
+        conn.sendall(opening)
+        answer = conn.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 ") and b" 101 " not in answer.split(b"\r\n")[0]
+        # The fixture's header timeout is 2 s; an HTTP/2 connection would stay open for good.
+        assert wait_for(lambda: closed_by_server(conn), timeout=20, what="the server to close the connection")

@@ -1,7 +1,7 @@
-"""The Redfish frontend: a Flask app over one Machine (`create_app`) and its gunicorn server (`server`).
+"""The Redfish frontend: a Flask app over one Machine (`create_app`) and the agent's server for it (`server`).
 
-`create_app` is imported lazily so that the gunicorn master, which imports `server`, stays free of Flask and
-pydantic: they are loaded only in the worker, after the fork."""
+`create_app` is imported lazily: importing `server` (the agent does, to bind its ports first) loads neither Flask
+nor pydantic."""
 
 from __future__ import annotations
 

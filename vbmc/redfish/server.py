@@ -26,11 +26,11 @@ Measured (bench/slow_clients.py, bench/agent.py; the figures are in docs/referen
 with 200 stalled connections on each of the HTTP and HTTPS ports, gunicorn answered nothing, probes included,
 while here a normal client's GET of the System kept a p99 under 5 ms (under 9 ms with 200 + 200 trickling), with
 every stalled connection closed after 5 s. The price is per-request time: the event loop and the hop to a
-worker thread take about 0.4 ms that gunicorn's threads did not (at 8 connections 1651 requests/s against 2668,
-still 9x sushy-tools with a p99 of 10 ms). Against the alternatives: uvicorn has no header or handshake deadline
+worker thread take about 0.4 ms that gunicorn's threads did not (at 8 connections 1553 requests/s against 2079,
+still 9.8x sushy-tools with a p99 of 8 ms). Against the alternatives: uvicorn has no header or handshake deadline
 for a new connection (a stalled one stays open for good), and gunicorn's asgi worker none either; waitress reads
 whole requests on its own loop but has no TLS. The agent is also one process instead of a master and a worker
-(43.5 MB PSS on kubesim's VM, 53.3 MB before).
+(44.1 MB PSS on kubesim's VM, 52.8 MB before).
 
 SIGTERM (or SIGINT) stops accepting, lets in-flight requests finish for `graceful_timeout` seconds, runs the stop
 hook (the agent stops IPMI and its watches) and returns: the agent exits within two seconds."""
@@ -297,13 +297,14 @@ def _environ(scope: Scope, body: bytes) -> dict[str, Any]:
     return environ
 
 
-# ---- errors below the app: h11's 400 and 431 as Redfish bodies
+# ---- below the app: HTTP/1.1 only, and h11's 400 and 431 as Redfish bodies
 
 
-def _render_protocol_errors() -> None:
-    """h11 rejects a malformed request line or header block, or one larger than its buffer, before any app sees
-    it; hypercorn then answers with an empty body. Answer with a Redfish error body instead, and never with a
-    5xx: a request line naming HTTP/2.0 or an unknown transfer coding is the client's error too (400)."""
+def _http1_with_redfish_errors() -> None:
+    """HTTP/1.1 only (see `http1_only`), and Redfish error bodies below the app: h11 rejects a malformed request
+    line or header block, or one larger than its buffer, before any app sees it, and hypercorn then answers with
+    an empty body. Answer with a Redfish error body instead, and never with a 5xx: an unknown transfer coding
+    (h11's 501) is the client's error too (400). hypercorn is pinned; tests/test_hostile_http.py checks both."""
     from hypercorn.protocol import h11 as hypercorn_h11
 
     if getattr(hypercorn_h11.H11Protocol, "_kubevbmc_errors", False):
@@ -321,8 +322,14 @@ def _render_protocol_errors() -> None:
         await self._send_h11_event(h11.Data(data=body))
         await self._send_h11_event(h11.EndOfMessage())
 
+    async def http1_only(self: Any, event: Any) -> None:
+        """No switch to HTTP/2 (`Upgrade: h2c`, or the prior-knowledge preface `PRI * HTTP/2.0`): every Redfish
+        client speaks HTTP/1.1, and an HTTP/2 connection that opens no stream escapes the header deadline
+        (hypercorn keeps it open), so a few hundred would hold every connection slot for good."""
+
     protocol: Any = hypercorn_h11.H11Protocol
     protocol._send_error_response = send_error_response
+    protocol._check_protocol = http1_only
     protocol._kubevbmc_errors = True
 
 
@@ -454,7 +461,7 @@ async def _serve(front: RedfishFront, hc: Any, sockets: Any, *, ready: threading
     from hypercorn.asyncio.run import worker_serve
     from hypercorn.utils import wrap_app
 
-    _render_protocol_errors()
+    _http1_with_redfish_errors()
     _small_tls_buffers()
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(_quiet_loop_errors)
