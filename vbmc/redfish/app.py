@@ -177,7 +177,8 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
             # expired is not locked out for sending it a few more times.
             session = store.authenticate(token)
             if session is None:
-                login_failed("", "unknown or expired session token")
+                g.audited = True
+                audit.record("login", system_id, "denied: unknown or expired session token", level=logging.WARNING)
                 raise RedfishError(401, "NoValidSession", headers={"WWW-Authenticate": REALM})
             g.user = session.username
             g.session_id = session.id

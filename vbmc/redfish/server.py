@@ -234,7 +234,9 @@ class RedfishFront:
                     close()
             status, headers = started
             return int(status.split(" ", 1)[0]), [
-                (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers], chunks
+                # Names as the app wrote them (`X-Auth-Token`, not `x-auth-token`): HTTP/1.1 does not care, but the
+                # scripts that grep a login's headers for the token often do.
+                (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers], chunks
         except Exception:
             # The app renders its own errors; reaching this is a bug in it, and worth a traceback.
             log.exception("redfish: the app failed on %s %s", environ["REQUEST_METHOD"], environ["PATH_INFO"])
@@ -246,7 +248,7 @@ class RedfishFront:
 
 async def _respond(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes, *,
                    head: bool = False, close: bool = False) -> None:
-    headers = [h for h in headers if h[0] != b"content-length"]
+    headers = [h for h in headers if h[0].lower() != b"content-length"]
     if status not in (204, 304):  # RFC 9110 8.6: no Content-Length on a 204
         headers.append((b"content-length", str(len(body)).encode()))
     if close:
