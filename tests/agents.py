@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -11,10 +12,14 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .conftest import REPO
+from kubernetes import client
+
+from .conftest import REPO, Sim, wait_for
+from .vms import make_bmc, make_vm
 
 USER, PASSWORD = "admin", "s3cret-pass"
 
@@ -78,3 +83,17 @@ class AgentProcess:
         return Path(self.log.name).read_text()
 
 
+
+
+@contextlib.contextmanager
+def agent_for_vm(sim: Sim, api: client.ApiClient, namespace: str, *flags: str) -> Iterator[AgentProcess]:
+    """A VM `vm` and its VirtualMachineBMC in `namespace`, and an agent process serving it (kubevirt backend)."""
+    make_vm(api, namespace)
+    make_bmc(api, namespace)
+    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", *flags,
+                           env={"KUBECONFIG": sim.kubeconfig})
+    try:
+        wait_for(process.ready, timeout=20, what="the agent to be ready")
+        yield process
+    finally:
+        process.stop()

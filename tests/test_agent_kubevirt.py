@@ -20,21 +20,15 @@ from sushy import auth as sushy_auth
 
 from vbmc.ipmi.server import WRITE_DEADLINE
 
-from .agents import PASSWORD, USER, AgentProcess
+from .agents import PASSWORD, USER, AgentProcess, agent_for_vm
 from .conftest import Sim, call, wait_for
 from .vms import boot_orders, get_vm, get_vmi, make_bmc, make_vm, running_vmi_uid
 
 
 @pytest.fixture
 def agent(sim: Sim, api: client.ApiClient, namespace: str, bmc_crd: None) -> Iterator[AgentProcess]:
-    make_vm(api, namespace)
-    make_bmc(api, namespace)
-    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": sim.kubeconfig})
-    try:
-        wait_for(process.ready, timeout=20, what="the agent to be ready")
+    with agent_for_vm(sim, api, namespace) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def printable(api: client.ApiClient, ns: str) -> str:

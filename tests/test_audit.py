@@ -19,24 +19,16 @@ from kubernetes import client
 from vbmc import audit
 from vbmc.agent import JsonFormatter
 
-from .agents import PASSWORD, USER, AgentProcess
+from .agents import PASSWORD, USER, AgentProcess, agent_for_vm
 from .conftest import Sim, call, wait_for
-from .vms import make_bmc, make_vm
 
 SYSTEM = "/redfish/v1/Systems/vm"
 
 
 @pytest.fixture
 def agent(sim: Sim, api: client.ApiClient, namespace: str, bmc_crd: None) -> Iterator[AgentProcess]:
-    make_vm(api, namespace)
-    make_bmc(api, namespace)
-    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", "--log-format", "json",
-                           env={"KUBECONFIG": sim.kubeconfig})
-    try:
-        wait_for(process.ready, timeout=20, what="the agent to be ready")
+    with agent_for_vm(sim, api, namespace, "--log-format", "json") as process:
         yield process
-    finally:
-        process.stop()
 
 
 def audit_lines(agent: AgentProcess) -> list[dict[str, Any]]:

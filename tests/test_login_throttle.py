@@ -22,10 +22,9 @@ from vbmc.redfish import create_app
 from vbmc.throttle import FREE_FAILURES, MAX_DELAY, Engaged, LoginThrottle, lockout, source_key
 
 from .agents import USER as AGENT_USER
-from .agents import AgentProcess
+from .agents import AgentProcess, agent_for_vm
 from .conftest import Sim, call, wait_for
 from .ipmi_client import Console
-from .vms import make_bmc, make_vm
 
 USER, PASSWORD = "admin", "s3cret-Passw0rd"
 ATTACKER, OWNER = "192.0.2.66", "192.0.2.10"
@@ -224,14 +223,8 @@ def test_requests_without_credentials_and_stale_tokens_are_not_failed_logins(red
 
 @pytest.fixture
 def agent(sim: Sim, api: client.ApiClient, namespace: str, bmc_crd: None) -> Iterator[AgentProcess]:
-    make_vm(api, namespace)
-    make_bmc(api, namespace)
-    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": sim.kubeconfig})
-    try:
-        wait_for(process.ready, timeout=20, what="the agent to be ready")
+    with agent_for_vm(sim, api, namespace) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def test_the_agent_throttles_over_both_protocols_and_says_so_in_an_event(agent: AgentProcess, api: client.ApiClient,

@@ -20,7 +20,7 @@ from kubesim.cluster import Cluster, SimConfig
 from vbmc.audit import redact_url
 from vbmc.kube import KubeClient, load_credentials
 
-from .agents import AgentProcess
+from .agents import AgentProcess, agent_for_vm
 from .conftest import call, start_sim, wait_for
 from .test_controller_units import bmc
 from .vms import make_bmc, make_vm
@@ -94,14 +94,8 @@ def test_an_image_url_is_shown_without_its_userinfo(url: str, shown: str) -> Non
 
 @pytest.fixture
 def agent(sim: Any, api: client.ApiClient, namespace: str, bmc_crd: None) -> Iterator[AgentProcess]:
-    make_vm(api, namespace)
-    make_bmc(api, namespace)
-    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": sim.kubeconfig})
-    try:
-        wait_for(process.ready, timeout=20, what="the agent to be ready")
+    with agent_for_vm(sim, api, namespace) as process:
         yield process
-    finally:
-        process.stop()
 
 
 CD = "/redfish/v1/Systems/vm/VirtualMedia/Cd"
