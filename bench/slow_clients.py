@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.agent import PASSWORD, USER, free_port, memory_of  # noqa: E402
+from tests.agents import write_serving_certificate  # noqa: E402
 
 AUTH = {"Authorization": "Basic " + __import__("base64").b64encode(f"{USER}:{PASSWORD}".encode()).decode()}
 SYSTEM = "/redfish/v1/Systems/vm"
@@ -283,32 +284,6 @@ def run_scenario(server: Server, scenario: str, connections: int, seconds: float
               f"{r.percentile(50):>9.2f}{r.percentile(99):>9.2f}{pss:>9.1f}{closed:>8}", flush=True)
 
 
-def make_cert(directory: Path) -> tuple[Path, Path]:
-    """A self-signed EC certificate for 127.0.0.1."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubevbmc-bench")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--connections", type=int, default=200, help="attackers per port (default %(default)s)")
@@ -324,7 +299,7 @@ def main() -> int:
         return 0
 
     workdir = tempfile.TemporaryDirectory(prefix="bench-slow-")
-    cert, key = make_cert(Path(workdir.name))
+    cert, key = write_serving_certificate(Path(workdir.name))
     starters = {"kubevbmc": start_kubevbmc, "gunicorn": start_gunicorn}
     print(f"Redfish with {args.connections} hostile connections per port (HTTP and HTTPS), {args.seconds:g} s of "
           "GETs per row, one after another on a keep-alive connection, 2 s timeout each")

@@ -30,6 +30,27 @@ def free_port(kind: int = socket.SOCK_STREAM) -> int:
         return int(s.getsockname()[1])
 
 
+def ipmitool_at(host: str, port: int, *args: str, cipher: str = "17") -> subprocess.CompletedProcess[str]:
+    """ipmitool over lanplus with the test credentials."""
+    return subprocess.run(["ipmitool", "-I", "lanplus", "-C", cipher, "-H", host, "-p", str(port), "-U", USER,
+                           "-P", PASSWORD, "-R", "2", "-N", "1", *args], capture_output=True, text=True, timeout=30)
+
+
+def redfish_at(base: str, method: str, path: str, body: Any = None, timeout: float = 5) -> tuple[int, Any]:
+    """(status, parsed body) of one Redfish request with the test credentials (Basic auth)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"{base}{path}", data=data, method=method, headers={
+        "Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode(),
+        "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        return exc.code, json.loads(raw) if raw else None
+
+
 class AgentProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.ipmi_port = free_port(socket.SOCK_DGRAM)
@@ -53,22 +74,10 @@ class AgentProcess:
             return False
 
     def ipmitool(self, *args: str, cipher: str = "17") -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ipmitool", "-I", "lanplus", "-C", cipher, "-H", "127.0.0.1", "-p",
-                               str(self.ipmi_port), "-U", USER, "-P", PASSWORD, "-R", "2", "-N", "1", *args],
-                              capture_output=True, text=True, timeout=30)
+        return ipmitool_at("127.0.0.1", self.ipmi_port, *args, cipher=cipher)
 
     def redfish(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method, headers={
-            "Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode(),
-            "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=5) as resp:
-                raw = resp.read()
-                return resp.status, json.loads(raw) if raw else None
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            return exc.code, json.loads(raw) if raw else None
+        return redfish_at(self.url, method, path, body)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -97,3 +106,18 @@ def agent_for_vm(sim: Sim, api: client.ApiClient, namespace: str, *flags: str) -
         yield process
     finally:
         process.stop()
+
+
+def write_serving_certificate(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """tls.crt (a serving certificate for `host` followed by its CA, so that the file also serves as what a client
+    trusts) and tls.key in `directory`, made as the controller makes a BMC's."""
+    import datetime
+
+    from controller import certificates
+
+    now = datetime.datetime.now(datetime.UTC)
+    material = certificates.issue_leaf(certificates.issue_ca("kubevbmc test CA", now), [host], now)
+    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
+    cert_path.write_bytes(material.cert_pem + material.ca_pem)
+    key_path.write_bytes(material.key_pem)
+    return cert_path, key_path

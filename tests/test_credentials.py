@@ -8,7 +8,6 @@ after a grace period) under an agent process that kubesim's kubelet started, rea
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import socket
@@ -17,8 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,8 +32,8 @@ from kubesim.certs import ServingCert, serving_cert
 from kubesim.cluster import Cluster, SimConfig, TokenTable
 from vbmc.kube import REFRESH_SECONDS, Credentials, KubeClient, KubeError, Unreachable, load_credentials
 
-from .agents import PASSWORD, USER, free_port
-from .conftest import BMC_CRD, address_ranges, call, start_sim, wait_for
+from .agents import PASSWORD, USER, free_port, ipmitool_at, redfish_at
+from .conftest import BMC_CRD, address_ranges, call, install_bmc_crd, start_sim, wait_for
 from .vms import get_vm, make_bmc, make_vm, running_vmi_uid
 
 # ---- a tiny API server: accepts the tokens in `valid`, records every token it was sent
@@ -336,10 +333,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture(scope="module")
 def sim_api(cluster: Cluster) -> client.ApiClient:
     api = config.new_client_from_config(config_file=cluster.kubeconfig)
-    reply = call(api, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
-                 yaml.safe_load(BMC_CRD.read_text()))
-    assert reply.status == 201, reply.body
-    wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")
+    install_bmc_crd(api)
     return api
 
 
@@ -354,21 +348,10 @@ class PodAgent:
     http_port: int
 
     def ipmitool(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ipmitool", "-I", "lanplus", "-C", "17", "-H", self.ip, "-p", str(self.ipmi_port),
-                               "-U", USER, "-P", PASSWORD, "-R", "2", "-N", "1", *args],
-                              capture_output=True, text=True, timeout=30)
+        return ipmitool_at(self.ip, self.ipmi_port, *args)
 
     def redfish(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"http://{self.ip}:{self.http_port}{path}", data=data, method=method, headers={
-            "Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode(),
-            "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                raw = resp.read()
-                return resp.status, json.loads(raw) if raw else None
-        except urllib.error.HTTPError as exc:
-            return exc.code, None
+        return redfish_at(f"http://{self.ip}:{self.http_port}", method, path, body, timeout=10)
 
 
 def agent_pod(ipmi_port: int, http_port: int) -> dict[str, Any]:

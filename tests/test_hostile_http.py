@@ -21,9 +21,8 @@ import requests
 
 from vbmc.redfish.server import BackgroundServer, Limits, ServerConfig
 
-from .agents import PASSWORD, USER, AgentProcess, free_port
+from .agents import PASSWORD, USER, AgentProcess, free_port, write_serving_certificate
 from .conftest import wait_for
-from .test_redfish import make_self_signed
 
 SYSTEM = "/redfish/v1/Systems/demo"
 STALLED_REQUEST = b"GET /redfish/v1 HTTP/1.1\r\n"  # a request line, and then nothing
@@ -53,7 +52,7 @@ class Agent:
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
-    cert, key = make_self_signed(tmp_path_factory.mktemp("tls"))
+    cert, key = write_serving_certificate(tmp_path_factory.mktemp("tls"))
     tls_port = free_port()
     process = AgentProcess("--backend", "memory", "--vm", "demo", "--redfish-tls-address", f"127.0.0.1:{tls_port}",
                            "--tls-cert", str(cert), "--tls-key", str(key))
@@ -364,7 +363,7 @@ def _get_or_none(url: str) -> bytes | None:
 
 
 def test_sigterm_stops_the_agent_within_two_seconds_with_stalled_connections_held(tmp_path: Path) -> None:
-    cert, key = make_self_signed(tmp_path)
+    cert, key = write_serving_certificate(tmp_path)
     tls_port = free_port()
     process = AgentProcess("--backend", "memory", "--vm", "demo", "--redfish-tls-address", f"127.0.0.1:{tls_port}",
                            "--tls-cert", str(cert), "--tls-key", str(key))

@@ -4,12 +4,10 @@ validators, and behaviour a client relies on (auth, errors, ETags, 503s, TLS, SI
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ import requests
 import sushy
 from sushy import auth as sushy_auth
 
+from tests.agents import free_port, write_serving_certificate
 from tests.conftest import wait_for
 from vbmc.machine import (
     BackendUnavailable,
@@ -96,12 +95,6 @@ def shared_service() -> Iterator[Service]:
 
 def message_ids(resp: requests.Response) -> list[str]:
     return [m["MessageId"].rsplit(".", 1)[1] for m in resp.json()["error"]["@Message.ExtendedInfo"]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- real clients
@@ -608,28 +601,6 @@ serve(factory, ServerConfig(http=http, https=https, certfile=cert, keyfile=key),
 """
 
 
-def make_self_signed(directory: Path) -> tuple[Path, Path]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubevbmc-test")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(__import__("ipaddress").ip_address(
-                "127.0.0.1"))]), critical=False)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 @dataclass
 class Server:
     process: subprocess.Popen[str]
@@ -641,7 +612,7 @@ class Server:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    cert, key = make_self_signed(tmp_path)
+    cert, key = write_serving_certificate(tmp_path)
     http, https = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     log = tmp_path / "server.log"
     proc = subprocess.Popen([sys.executable, "-c", SERVER_MAIN, http, https, str(cert), str(key)],
