@@ -48,6 +48,7 @@ class Sim:
     log: Path
     pod_cidr: str = "127.1.0.0/16"
     service_cidr: str = "127.2.0.0/16"
+    load_balancer_cidr: str = "127.3.0.0/16"
 
     def api(self) -> client.ApiClient:
         return config.new_client_from_config(config_file=self.kubeconfig)
@@ -61,15 +62,29 @@ class Sim:
             return self.process.wait()
 
 
-_ranges = itertools.count(0)
+_ranges = itertools.count(1)
+# KUBEVBMC_TEST_SLOT=0..7 gives a pytest run a tenth of 127.10-249.x of its own, so that runs side by side on one
+# machine (worktrees) never hand two pods the same address; unset, one run uses it all.
+_SLOT = os.environ.get("KUBEVBMC_TEST_SLOT", "")
+_FIRST, _COUNT = (10 + 30 * int(_SLOT), 10) if _SLOT else (10, 80)
+
+
+def _triple(index: int) -> list[str]:
+    base = _FIRST + 3 * (index % _COUNT)
+    return ["--pod-cidr", f"127.{base}.0.0/16", "--service-cidr", f"127.{base + 1}.0.0/16",
+            "--load-balancer-cidr", f"127.{base + 2}.0.0/16"]
+
+
+def session_ranges() -> list[str]:
+    """The session simulator's ranges: 127.1-3.0.0/16, or the first of the run's slot."""
+    return _triple(0) if _SLOT else ["--pod-cidr", "127.1.0.0/16", "--service-cidr", "127.2.0.0/16",
+                                     "--load-balancer-cidr", "127.3.0.0/16"]
 
 
 def address_ranges() -> list[str]:
-    """Loopback ranges of its own for one more simulator (the session's uses the defaults, 127.1-3.0.0/16), so
-    that no two running simulators bind the same ClusterIP."""
-    base = 10 + 3 * (next(_ranges) % 80)
-    return ["--pod-cidr", f"127.{base}.0.0/16", "--service-cidr", f"127.{base + 1}.0.0/16",
-            "--load-balancer-cidr", f"127.{base + 2}.0.0/16"]
+    """Loopback ranges of its own for one more simulator, so that no two running simulators bind the same
+    ClusterIP."""
+    return _triple(next(_ranges))
 
 
 def start_sim(workdir: Path, *flags: str, timeout: float = 15.0, own_ranges: bool = True) -> Sim:
@@ -97,7 +112,7 @@ def start_sim(workdir: Path, *flags: str, timeout: float = 15.0, own_ranges: boo
         if line.strip() == "ready":
             given = dict(zip(flags[::2], flags[1::2], strict=False))
             return Sim(proc, kubeconfig, url, log, given.get("--pod-cidr", "127.1.0.0/16"),
-                       given.get("--service-cidr", "127.2.0.0/16"))
+                       given.get("--service-cidr", "127.2.0.0/16"), given.get("--load-balancer-cidr", "127.3.0.0/16"))
     proc.kill()
     raise AssertionError("kubesim did not print ready in time")
 
@@ -105,7 +120,7 @@ def start_sim(workdir: Path, *flags: str, timeout: float = 15.0, own_ranges: boo
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     s = start_sim(tmp_path_factory.mktemp("kubesim"), "--vm-start-delay", "0.3", "--vm-stop-delay", "0.5",
-                  "--import-delay", "0.3", "--bookmark-interval", "0.5", own_ranges=False)
+                  "--import-delay", "0.3", "--bookmark-interval", "0.5", *session_ranges(), own_ranges=False)
     yield s
     s.stop()
 

@@ -117,8 +117,8 @@ def ready_pod(core: client.CoreV1Api, namespace: str, name: str, timeout: float 
 # ---- Deployments and ReplicaSets
 
 
-def test_deployment_becomes_replicaset_and_ready_pod_with_pod_ip(core: client.CoreV1Api, apps: client.AppsV1Api,
-                                                                 namespace: str) -> None:
+def test_deployment_becomes_replicaset_and_ready_pod_with_pod_ip(sim: Sim, core: client.CoreV1Api,
+                                                                 apps: client.AppsV1Api, namespace: str) -> None:
     apps.create_namespaced_deployment(namespace, deployment("web", [echo_container()]))
 
     pods = wait_for(lambda: [p for p in pods_of(core, namespace, "web") if is_ready(p)], what="a Ready pod")
@@ -136,7 +136,7 @@ def test_deployment_becomes_replicaset_and_ready_pod_with_pod_ip(core: client.Co
     assert p.metadata.owner_references[0].name == rs.metadata.name
     assert p.spec.node_name == "kubesim-node"
     assert p.status.phase == "Running"
-    assert in_cidr(p.status.pod_ip, "127.1.0.0/16")
+    assert in_cidr(p.status.pod_ip, sim.pod_cidr)
     assert p.status.host_ip == "127.0.0.1"
     assert p.status.container_statuses[0].ready and p.status.container_statuses[0].state.running
 
@@ -376,11 +376,12 @@ ECHO_PORTS = [{"name": "ipmi", "port": 623, "protocol": "UDP", "targetPort": 900
               {"name": "tcp", "port": 80, "protocol": "TCP", "targetPort": "echo"}]
 
 
-def test_service_gets_a_cluster_ip_and_type_cluster_ip_by_default(core: client.CoreV1Api, namespace: str) -> None:
+def test_service_gets_a_cluster_ip_and_type_cluster_ip_by_default(sim: Sim, core: client.CoreV1Api,
+                                                                   namespace: str) -> None:
     svc = core.create_namespaced_service(namespace, service("web", ECHO_PORTS))
 
     assert svc.spec.type == "ClusterIP"
-    assert in_cidr(svc.spec.cluster_ip, "127.2.0.0/16")
+    assert in_cidr(svc.spec.cluster_ip, sim.service_cidr)
     assert svc.spec.cluster_ips == [svc.spec.cluster_ip]
     assert all(p.node_port is None for p in svc.spec.ports)
 
@@ -393,11 +394,11 @@ def test_requested_cluster_ip_outside_the_range_is_invalid(core: client.CoreV1Ap
     assert "the provided IP (10.0.0.1) is not in the valid range" in json.loads(caught.value.body)["message"]
 
 
-def test_load_balancer_gets_node_ports_and_an_ingress_ip(core: client.CoreV1Api, namespace: str) -> None:
+def test_load_balancer_gets_node_ports_and_an_ingress_ip(sim: Sim, core: client.CoreV1Api, namespace: str) -> None:
     svc = core.create_namespaced_service(namespace, service("web", ECHO_PORTS, type="LoadBalancer"))
 
     assert all(30000 <= p.node_port <= 32767 for p in svc.spec.ports)
-    assert in_cidr(svc.status.load_balancer.ingress[0].ip, "127.3.0.0/16")
+    assert in_cidr(svc.status.load_balancer.ingress[0].ip, sim.load_balancer_cidr)
     updated = core.patch_namespaced_service("web", namespace, {"metadata": {"labels": {"tier": "front"}}})
     assert updated.status.load_balancer.ingress[0].ip == svc.status.load_balancer.ingress[0].ip  # kept on update
     assert int(updated.metadata.resource_version) > int(svc.metadata.resource_version)  # and the update stored

@@ -68,7 +68,8 @@ class KubeVirtMachine(Machine):
         self.vm_path = f"{KUBEVIRT}{ns}/virtualmachines/{vm}"
         self.vmi_path = f"{KUBEVIRT}{ns}/virtualmachineinstances/{vm}"
         self.bmc_path = f"{BMC}{ns}/virtualmachinebmcs/{vmbmc}"
-        self.vm_watch = ObjectWatch(client, f"{KUBEVIRT}{ns}/virtualmachines", vm)
+        self.vm_watch = ObjectWatch(client, f"{KUBEVIRT}{ns}/virtualmachines", vm,
+                                    on_change=lambda _: self.notify_changed())
         self.vmi_watch = ObjectWatch(client, f"{KUBEVIRT}{ns}/virtualmachineinstances", vm,
                                      on_change=self._vmi_changed)
         self.bmc_watch = ObjectWatch(client, f"{BMC}{ns}/virtualmachinebmcs", vmbmc) if vmbmc else None
@@ -181,7 +182,9 @@ class KubeVirtMachine(Machine):
         self._event(reason, message, kind)
 
     def _event(self, reason: str, message: str, kind: str = "Normal") -> None:
-        """A Kubernetes Event on the VirtualMachineBMC (or the VM), for `kubectl describe`; best effort."""
+        """A Kubernetes Event on the VirtualMachineBMC (or the VM), for `kubectl describe`; best effort. The event
+        bus (vbmc/events.py) hears it first, without who did it: its consumers have their own audit trail."""
+        self.events.publish(reason, message, kind)
         if self.vmbmc and self.bmc_watch is not None and self.bmc_watch.obj is not None:
             target = self.bmc_watch.obj
         else:
@@ -400,6 +403,7 @@ class KubeVirtMachine(Machine):
 
     def _vmi_changed(self, vmi: Obj | None) -> None:
         """A Once override is consumed by the first VMI that runs after it was set: restore the order."""
+        self.notify_changed()
         record = self._boot_record()
         if not record or record.get("enabled") != "Once" or vmi is None:
             return

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import abc
 import logging
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 from enum import StrEnum
+
+from .events import POWER_STATE_CHANGED, EventBus
 
 log = logging.getLogger("vbmc.machine")
 
@@ -151,14 +154,6 @@ class BackendUnavailable(MachineError):
         self.retry_after = retry_after
 
 
-@dataclass
-class MachineEvent:
-    """What changed, for logs."""
-
-    action: str
-    detail: dict[str, str] = field(default_factory=dict)
-
-
 class Machine(abc.ABC):
     """A machine as a BMC sees it. Reads are cheap (from a cache); writes may raise the errors above."""
 
@@ -199,11 +194,35 @@ class Machine(abc.ABC):
     def eject_media(self, slot: str = "Cd") -> None:
         """Eject the medium (nothing in: nothing to do); raises Unsupported when the slot has no drive."""
 
+    @property
+    def events(self) -> EventBus:
+        """What happened to this machine (vbmc/events.py): the frontends' SEL and EventService follow it."""
+        bus = self.__dict__.get("_event_bus")
+        if bus is None:
+            bus = self.__dict__.setdefault("_event_bus", EventBus())  # setdefault: one bus even when two race
+        return bus
+
     def record_event(self, reason: str, message: str, kind: str = "Normal") -> None:
-        """Tell the machine's owners (KubeVirt: a Kubernetes Event on the VirtualMachineBMC); best effort, may
-        take up to a second, so callers on a protocol's serving thread hand it to another thread. Default: a log
-        line."""
+        """Tell the machine's owners (KubeVirt: a Kubernetes Event on the VirtualMachineBMC) and the event bus; best
+        effort, may take up to a second, so callers on a protocol's serving thread hand it to another thread.
+        Default: the bus and a log line."""
+        self.events.publish(reason, message, kind)
         log.info("event %s %s: %s", kind, reason, message)
+
+    def notify_changed(self) -> None:
+        """Backends call this when their view of the machine may have changed (a watch event, a write): publishes
+        PowerStateChanged when the power state is not the one last seen. Cheap: one read of the cached state."""
+        try:
+            power = self.power_state()
+        except MachineError:
+            return  # nothing trustworthy to compare (a stale cache, a VM not there yet)
+        lock = self.__dict__.setdefault("_observed_lock", threading.Lock())
+        with lock:
+            before = self.__dict__.get("_observed_power")
+            self.__dict__["_observed_power"] = power
+        if before is not None and before != power:
+            self.events.publish(POWER_STATE_CHANGED, f"power state changed from {before} to {power}",
+                                **{"from": str(before), "to": str(power)})
 
     def media_slots(self) -> tuple[str, ...]:
         """The virtual media slots the BMC has, like the virtual CD of a physical BMC: present whether or not the

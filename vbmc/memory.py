@@ -8,6 +8,7 @@ import threading
 import uuid as uuidlib
 from urllib.parse import urlsplit
 
+from .audit import redact_url
 from .machine import (
     BootEnabled,
     BootMode,
@@ -51,6 +52,7 @@ class MemoryMachine(Machine):
             uuid=uuid or str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"kubevbmc:{name}")), name=name,
             serial=name, cpu_sockets=1, cpu_cores=2, cpu_threads=1, memory_bytes=2 * 2**30,
             nics=(Nic("default", "02:00:00:00:00:01"),), disks=tuple(disks), firmware=BootMode.UEFI)
+        self.notify_changed()  # the power state the event bus compares the next one with
 
     # ---- power
 
@@ -90,6 +92,7 @@ class MemoryMachine(Machine):
                 if self._power != PowerState.PAUSED:
                     raise InvalidRequest("the machine is not paused")
                 self._power = PowerState.ON
+        self.notify_changed()
 
     def _boot(self) -> None:
         self._power = PowerState.ON
@@ -102,6 +105,7 @@ class MemoryMachine(Machine):
         if override.enabled == BootEnabled.ONCE:
             # A Once override is consumed by the boot it applied to.
             self._override = BootOverride(BootTarget.NONE, BootEnabled.DISABLED, override.mode)
+            self.events.publish("BootOverrideConsumed", f"boot once from {override.target} applied")
 
     @property
     def boots(self) -> int:
@@ -128,6 +132,7 @@ class MemoryMachine(Machine):
             raise InvalidRequest("UEFI HTTP boot needs UEFI mode")
         with self._lock:
             self._override = override
+        self.events.publish("BootOverrideSet", f"boot from {override.target} ({override.enabled}, {override.mode})")
 
     # ---- inventory
 
@@ -151,11 +156,15 @@ class MemoryMachine(Machine):
             if self._media.inserted:
                 raise InvalidRequest("a medium is already inserted: eject it first")
             self._media = VirtualMedia(slot, image, True, write_protected, MediaState.INSERTED)
+        self.events.publish("VirtualMediaInserted", f"inserted {redact_url(image)} into {slot}", slot=slot)
 
     def eject_media(self, slot: str = "Cd") -> None:
         self._check_drive(slot)
         with self._lock:
+            inserted = self._media.inserted
             self._media = VirtualMedia(slot)
+        if inserted:
+            self.events.publish("VirtualMediaEjected", f"ejected the medium from {slot}", slot=slot)
 
     def _check_slot(self, slot: str) -> None:
         if slot not in self.media_slots():
