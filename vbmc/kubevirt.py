@@ -124,6 +124,16 @@ class KubeVirtMachine(Machine):
     def inventory(self) -> Inventory:
         return vmstate.inventory(self._vm(), self._vmi())
 
+    def running_since(self) -> float | None:
+        vm = self._vm()
+        if vmstate.power_state(vm, self._vmi()) == PowerState.OFF:
+            return None
+        return vmstate.running_since(self._vmi())
+
+    def service_address(self) -> str:
+        bmc = self.bmc_watch.obj if self.bmc_watch is not None else None
+        return str(((bmc or {}).get("status") or {}).get("clusterIP") or "")
+
     def supported_reset_types(self) -> tuple[ResetType, ...]:
         return SUPPORTED_RESETS
 

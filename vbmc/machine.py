@@ -228,3 +228,13 @@ class Machine(abc.ABC):
         """The virtual media slots the BMC has, like the virtual CD of a physical BMC: present whether or not the
         machine has a drive behind them (see virtual_media)."""
         return ("Cd",)
+
+    def running_since(self) -> float | None:
+        """When the running instance of the machine started (time.time() seconds; KubeVirt: the VMI's), None when
+        it is not running or the backend cannot tell. IPMI's power-on-hours counter reads it."""
+        return None
+
+    def service_address(self) -> str:
+        """The address clients reach the BMC at, when the backend knows it (KubeVirt: the VirtualMachineBMC's
+        status.clusterIP); "" otherwise, and the frontend uses the address it listens on."""
+        return ""

@@ -5,6 +5,7 @@ consumed by the next boot, power actions on a machine in the wrong state are no-
 from __future__ import annotations
 
 import threading
+import time
 import uuid as uuidlib
 from urllib.parse import urlsplit
 
@@ -41,6 +42,7 @@ class MemoryMachine(Machine):
         self._lock = threading.Lock()
         self._power = power
         self._override = BootOverride()
+        self._started: float | None = time.time() if power == PowerState.ON else None
         self._boots = 0  # how many times the machine has booted, so tests can see what a boot consumed
         self._last_boot_target = BootTarget.HDD
         self._media = VirtualMedia()
@@ -74,10 +76,10 @@ class MemoryMachine(Machine):
                 if not on:
                     self._boot()
             elif reset_type in (ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN):
-                self._power = PowerState.OFF
+                self._power, self._started = PowerState.OFF, None
             elif reset_type == ResetType.PUSH_POWER_BUTTON:
                 if on:
-                    self._power = PowerState.OFF
+                    self._power, self._started = PowerState.OFF, None
                 else:
                     self._boot()
             elif reset_type in (ResetType.FORCE_RESTART, ResetType.GRACEFUL_RESTART, ResetType.POWER_CYCLE):
@@ -96,6 +98,7 @@ class MemoryMachine(Machine):
 
     def _boot(self) -> None:
         self._power = PowerState.ON
+        self._started = time.time()
         self._boots += 1
         override = self._override
         if override.enabled != BootEnabled.DISABLED and override.target != BootTarget.NONE:
@@ -106,6 +109,9 @@ class MemoryMachine(Machine):
             # A Once override is consumed by the boot it applied to.
             self._override = BootOverride(BootTarget.NONE, BootEnabled.DISABLED, override.mode)
             self.events.publish("BootOverrideConsumed", f"boot once from {override.target} applied")
+
+    def running_since(self) -> float | None:
+        return self._started if self._power != PowerState.OFF else None
 
     @property
     def boots(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import re
 import uuid
 from typing import Any
@@ -116,3 +117,19 @@ def inventory(vm: Obj, vmi: Obj | None) -> Inventory:
         cpu_threads=int(cpu.get("threads") or 1), memory_bytes=memory, nics=nics, disks=disks,
         firmware=boot_mode(spec), secure_boot=secure_boot(spec),
     )
+
+
+def running_since(vmi: Obj | None) -> float | None:
+    """When the VMI started running (its Running phase transition, else its creation), as time.time() seconds."""
+    if not vmi:
+        return None
+    status = vmi.get("status") or {}
+    stamps = [t.get("phaseTransitionTimestamp") for t in status.get("phaseTransitionTimestamps") or []
+              if t.get("phase") == "Running"]
+    stamp = stamps[-1] if stamps else (vmi.get("metadata") or {}).get("creationTimestamp")
+    if not stamp:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None

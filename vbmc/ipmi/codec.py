@@ -6,6 +6,7 @@ Nothing here does I/O or keeps state, so every function has a table-driven test.
 
 from __future__ import annotations
 
+import ipaddress
 import uuid as uuidlib
 from dataclasses import dataclass
 from enum import IntEnum
@@ -27,25 +28,31 @@ from ..machine import (
 
 NETFN_CHASSIS = 0x00
 NETFN_APP = 0x06
+IPMI_PORT = 623  # RMCP's well-known port, the one the BMC's Service exposes
 
 GET_CHASSIS_STATUS = 0x01
 CHASSIS_CONTROL = 0x02
 CHASSIS_IDENTIFY = 0x04
 SET_POWER_RESTORE_POLICY = 0x06
+GET_SYSTEM_RESTART_CAUSE = 0x07
+GET_POH_COUNTER = 0x0F
 SET_SYSTEM_BOOT_OPTIONS = 0x08
 GET_SYSTEM_BOOT_OPTIONS = 0x09
 
 GET_DEVICE_ID = 0x01
 GET_SELF_TEST_RESULTS = 0x04
+GET_ACPI_POWER_STATE = 0x07
 GET_DEVICE_GUID = 0x08
 GET_SYSTEM_GUID = 0x37
 GET_CHANNEL_AUTH_CAPABILITIES = 0x38
 SET_SESSION_PRIVILEGE_LEVEL = 0x3B
 CLOSE_SESSION = 0x3C
+GET_SESSION_INFO = 0x3D
 GET_CHANNEL_ACCESS = 0x41
 GET_CHANNEL_INFO = 0x42
 GET_USER_ACCESS = 0x44
 GET_USER_NAME = 0x46
+GET_USER_PAYLOAD_ACCESS = 0x4D
 GET_CHANNEL_CIPHER_SUITES = 0x54
 
 
@@ -53,11 +60,16 @@ class Completion(IntEnum):
     """Completion codes (table 5-2) and the command-specific ones this BMC uses."""
 
     OK = 0x00
-    PARAMETER_NOT_SUPPORTED = 0x80  # Get/Set System Boot Options (table 28-14)
+    PARAMETER_NOT_SUPPORTED = 0x80  # Get/Set System Boot Options (table 28-14); also "key is locked" (22-31)
     SET_IN_PROGRESS = 0x81
+    READ_ONLY_PARAMETER = 0x82  # Set LAN Configuration Parameters (table 23-2)
     NODE_BUSY = 0xC0
     INVALID_COMMAND = 0xC1
+    OUT_OF_SPACE = 0xC4
+    RESERVATION_CANCELLED = 0xC5
     REQUEST_DATA_LENGTH_INVALID = 0xC7
+    PARAMETER_OUT_OF_RANGE = 0xC9
+    NOT_PRESENT = 0xCB  # requested sensor, data or record not present
     INVALID_DATA_FIELD = 0xCC
     INSUFFICIENT_PRIVILEGE = 0xD4
     NOT_SUPPORTED_IN_PRESENT_STATE = 0xD5
@@ -96,7 +108,9 @@ MANUFACTURER_ID = 0
 PRODUCT_ID = 0x4B56  # "KV"
 DEVICE_ID = 0x20
 IPMI_VERSION_2_0 = 0x02  # BCD, least significant digit in the high nibble
-CHASSIS_DEVICE = 0x80  # additional device support: answers chassis commands; no SDR, SEL, FRU or sensors
+# Additional device support (table 20-2): chassis device (bit 7), FRU inventory (3), SEL (2), SDR repository (1),
+# sensors (0); the same bits as the SDR repository's Management Controller Device Locator record (sdr.py).
+CHASSIS_DEVICE = 0x80 | 0x08 | 0x04 | 0x02 | 0x01
 
 
 def device_id(firmware_major: int, firmware_minor: int, manufacturer_id: int = MANUFACTURER_ID,
@@ -140,14 +154,116 @@ def power_is_on(state: PowerState) -> bool:
     return state in (PowerState.ON, PowerState.PAUSED, PowerState.POWERING_OFF)
 
 
+def chassis_power_is_on(power: PowerState, started_by_bmc: bool) -> bool:
+    """The power bit of Get Chassis Status. A physical chassis has power as soon as its power-up command was
+    carried out, while the operating system has not started yet; a VM the BMC started is likewise "on" while
+    KubeVirt is still scheduling it (PoweringOn), so that a `power status` right after `power on` says on. A VM
+    powering on that the BMC did not start (kubectl, a run strategy) stays off until it runs, and Redfish keeps
+    reporting PoweringOn either way."""
+    return power_is_on(power) or (started_by_bmc and power == PowerState.POWERING_ON)
+
+
+LAST_POWER_EVENT_IPMI_ON = 0x10  # table 28-3, data 2 bit 4: last "power on" entered via an IPMI command
+
+
 def chassis_status(power: PowerState, identify: IdentifyState,
-                   restore_policy: RestorePolicy = RestorePolicy.ALWAYS_OFF) -> bytes:
+                   restore_policy: RestorePolicy = RestorePolicy.ALWAYS_OFF, started_by_bmc: bool = False,
+                   last_on_by_ipmi: bool = False) -> bytes:
     """Get Chassis Status data (table 28-3): current power state, last power event, misc chassis state.
 
     The agent keeps its VM at runStrategy Manual: after a failure the VM stays off, hence "always off"."""
-    current = int(power_is_on(power)) | restore_policy << 5
+    current = int(chassis_power_is_on(power, started_by_bmc)) | restore_policy << 5
     identify_supported = 0x40
-    return bytes([current, 0x00, identify_supported | identify << 4])
+    last_event = LAST_POWER_EVENT_IPMI_ON if last_on_by_ipmi else 0
+    return bytes([current, last_event, identify_supported | identify << 4])
+
+
+# ---- Get System Restart Cause (section 28.11, table 28-11)
+
+
+class RestartCause(IntEnum):
+    UNKNOWN = 0x0
+    CHASSIS_CONTROL = 0x1
+
+
+def restart_cause(cause: RestartCause, channel: int) -> bytes:
+    return bytes([cause, channel])
+
+
+# ---- Get POH Counter (section 28.14, table 28-16)
+
+POH_MINUTES_PER_COUNT = 60
+
+
+def poh_counter(running_seconds: float) -> bytes:
+    """Minutes per count and the counter: whole hours of the running VMI (0 when off)."""
+    hours = int(max(running_seconds, 0) // (POH_MINUTES_PER_COUNT * 60))
+    return bytes([POH_MINUTES_PER_COUNT]) + min(hours, 0xFFFFFFFF).to_bytes(4, "little")
+
+
+# ---- Get ACPI Power State (section 20.7, table 20-5)
+
+ACPI_SYSTEM_S0 = 0x00
+ACPI_SYSTEM_S1 = 0x01
+ACPI_SYSTEM_S5 = 0x05
+ACPI_DEVICE_D0 = 0x00
+ACPI_DEVICE_D3 = 0x03
+
+
+def acpi_power_state(power: PowerState) -> bytes:
+    """System power state (S0/G0 working, S1 sleeping for a paused VM, S5/G2 soft-off) and device power state."""
+    if power == PowerState.PAUSED:
+        return bytes([ACPI_SYSTEM_S1, ACPI_DEVICE_D0])
+    if power_is_on(power):
+        return bytes([ACPI_SYSTEM_S0, ACPI_DEVICE_D0])
+    return bytes([ACPI_SYSTEM_S5, ACPI_DEVICE_D3])
+
+
+# ---- Get Session Info (section 22.20, table 22-25)
+
+
+@dataclass(frozen=True)
+class SessionEntry:
+    handle: int
+    session_id: int
+    user_id: int
+    privilege: int
+    address: str  # the remote console's IPv4 address
+    port: int
+
+
+def session_info(request: bytes, current: SessionEntry, active: list[SessionEntry], capacity: int,
+                 channel: int) -> tuple[Completion, bytes]:
+    """Session index 0 = the session asking, 1..n = the n-th active one, FEh = by handle (data 2), FFh = by
+    session ID (data 2-5). Answers handle, slots, active count, user ID, privilege, RMCP+ (protocol aux 1h) on
+    the LAN channel, then the console's IP address, MAC (unknown here: zero) and port."""
+    if not request:
+        return Completion.REQUEST_DATA_LENGTH_INVALID, b""
+    index = request[0]
+    entry: SessionEntry | None
+    if index == 0:
+        entry = current
+    elif index == 0xFE:
+        if len(request) < 2:
+            return Completion.REQUEST_DATA_LENGTH_INVALID, b""
+        entry = next((s for s in active if s.handle == request[1]), None)
+    elif index == 0xFF:
+        if len(request) < 5:
+            return Completion.REQUEST_DATA_LENGTH_INVALID, b""
+        wanted = int.from_bytes(request[1:5], "little")
+        entry = next((s for s in active if s.session_id == wanted), None)
+    else:
+        entry = active[index - 1] if index <= len(active) else None
+    header = bytes([0, capacity & 0x3F, len(active) & 0x3F])
+    if entry is None:
+        return Completion.OK, header  # section 22.20: no session at that index, only the first three bytes
+    try:
+        address = ipaddress.IPv4Address(entry.address).packed
+    except ValueError:  # an IPv6 console: the field only holds IPv4
+        address = bytes(4)
+    return Completion.OK, bytes([entry.handle, capacity & 0x3F, len(active) & 0x3F, entry.user_id & 0x3F,
+                                 entry.privilege & 0x0F, 0x10 | channel]) + address + bytes(6) + \
+        entry.port.to_bytes(2, "little")
 
 
 def restore_policy_request(data: bytes) -> RestorePolicy | None:
@@ -253,8 +369,17 @@ def decode_boot_flags(data: bytes, current_mode: BootMode = BootMode.UEFI) -> Bo
     return BootOverride(target=target, enabled=enabled, mode=mode)
 
 
-def encode_boot_flags(override: BootOverride) -> bytes:
-    """The five data bytes of boot flags (parameter 5) for a BootOverride."""
+def boot_device_selector(data: bytes) -> int:
+    """The boot device selector (data 2 bits 5:2) of boot flags as sent."""
+    return (data[1] >> 2) & 0x0F if len(data) > 1 else 0
+
+
+def encode_boot_flags(override: BootOverride, selector: int | None = None) -> bytes:
+    """The five data bytes of boot flags (parameter 5) for a BootOverride. `selector`: the device selector as it
+    was requested, when it is one of several that mean this target on a VM (safe-mode disk is disk, remote CD is
+    CD): a client reads back what it set."""
+    if selector is not None and BOOT_DEVICE_TARGETS.get(selector) != override.target:
+        selector = None
     flags = 0
     if override.enabled != BootEnabled.DISABLED:
         flags |= BOOT_FLAGS_VALID
@@ -262,7 +387,8 @@ def encode_boot_flags(override: BootOverride) -> bytes:
         flags |= BOOT_FLAGS_PERSISTENT
     if override.mode == BootMode.UEFI:
         flags |= BOOT_FLAGS_EFI
-    return bytes([flags, TARGET_BOOT_DEVICES[override.target] << 2, 0, 0, 0])
+    device = TARGET_BOOT_DEVICES[override.target] if selector is None else selector
+    return bytes([flags, device << 2, 0, 0, 0])
 
 
 def boot_option(parameter: int, data: bytes) -> bytes:
@@ -415,6 +541,20 @@ def user_name(request: bytes, account: str) -> tuple[Completion, bytes]:
         return Completion.INVALID_DATA_FIELD, b""
     name = account.encode()[:16] if user_id == ACCOUNT_USER_ID else b""
     return Completion.OK, name.ljust(16, b"\0")
+
+
+PAYLOAD_SOL = 0x02  # bit 1 of the standard payload enables (payload type 01h)
+
+
+def user_payload_access(channel: int, request: bytes) -> tuple[Completion, bytes]:
+    """Get User Payload Access (section 24.6, table 24-9): the account may activate SOL (payload type 1) on the
+    LAN channel; user 1 has no access; no OEM payloads."""
+    if len(request) < 2:
+        return Completion.REQUEST_DATA_LENGTH_INVALID, b""
+    user_id = request[1] & 0x3F
+    if request[0] & 0x0F not in (channel, 0x0E) or not 1 <= user_id <= MAX_USER_IDS:
+        return Completion.INVALID_DATA_FIELD, b""
+    return Completion.OK, bytes([PAYLOAD_SOL if user_id == ACCOUNT_USER_ID else 0, 0, 0, 0])
 
 
 # Get Channel Access (section 22.23, table 22-28), data 1 bits 7:6 of the request: which settings to read.

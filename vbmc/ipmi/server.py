@@ -21,10 +21,11 @@ from importlib import metadata
 from typing import Any, NamedTuple, TypeVar
 
 from .. import audit
-from ..machine import BackendUnavailable, InvalidRequest, Machine, MachineError
+from ..events import POWER_STATE_CHANGED, Event
+from ..machine import BackendUnavailable, BootOverride, InvalidRequest, Machine, MachineError, PowerState, ResetType
 from ..throttle import LoginThrottle, source_key
-from . import codec, rmcp
-from .codec import Completion, IdentifyState, Privilege
+from . import codec, fru, lan, rmcp, sdr, sel
+from .codec import Completion, IdentifyState, Privilege, RestartCause, SessionEntry
 from .session import (
     STATUS_INSUFFICIENT_RESOURCES,
     STATUS_INVALID_SESSION_ID,
@@ -49,6 +50,10 @@ MAX_OPENING_PER_SOURCE = 4  # half-open sessions one source address may hold; it
 IDLE_TIMEOUT = 60.0  # session inactivity timeout (section 6.12.15 suggests 60 s)
 WRITE_DEADLINE = 0.8  # a slower backend write is answered 0xC0 (node busy) before ipmitool gives up a try (1 s)
 POLL_INTERVAL = 0.2  # how often the receive loop looks at stop()
+# How long after an accepted power-up command the chassis reads "on" while the VM still reads off (KubeVirt has not
+# yet turned the start request into a VMI): the power button was pressed, the chassis has power.
+POWER_UP_GRACE = 10.0
+RESTART_CAUSE_WINDOW = 30.0  # a power-on observed this soon after the BMC's own command is that command's doing
 RECEIVE_SIZE = 2048
 
 
@@ -96,8 +101,27 @@ class IpmiServer:
         self._boot_set_in_progress = 0
         self._boot_flag_valid_bit_clearing = 0
         self._boot_info_acknowledge = 0
+        # Boot flags as last requested, with the device selector the Machine cannot tell apart (safe-mode disk,
+        # remote CD): read back as requested while the override is still the one they set.
+        self._boot_request: tuple[BootOverride, int] | None = None
+        # Power-up by this BMC: when (monotonic), and whether the chassis is "on" before the VM is (see
+        # codec.chassis_power_is_on); what last started the machine (Get System Restart Cause).
+        self._powered_up_at = float("-inf")
+        self._powering_up = False
+        self._restart_cause = RestartCause.UNKNOWN
+        # SDR repository, FRU, SEL (sdr.py, fru.py, sel.py); the SEL follows the machine's event bus from start().
+        self._sdr = sdr.repository()
+        self._sdr_reservation = 0
+        self._sdr_updated = int(time.time())
+        self.sel = sel.EventLog()
+        self._unsubscribe: Callable[[], None] | None = None
+        # The session whose request is being answered (Get Session Info, index 0) and session handles.
+        self._current: RmcpPlusSession | None = None
+        self._handles: dict[int, int] = {}
+        self._next_handle = 1
 
         chassis, app = codec.NETFN_CHASSIS, codec.NETFN_APP
+        sensor, storage, transport = sdr.NETFN_SENSOR, sdr.NETFN_STORAGE, lan.NETFN_TRANSPORT
         user, operator = Privilege.USER, Privilege.OPERATOR
         self._commands: dict[tuple[int, int], Command] = {
             (app, codec.GET_DEVICE_ID): Command("get_device_id", user, self._get_device_id),
@@ -112,6 +136,8 @@ class IpmiServer:
             (app, codec.GET_CHANNEL_INFO): Command("get_channel_info", user, self._get_channel_info),
             (app, codec.GET_USER_ACCESS): Command("get_user_access", operator, self._get_user_access),
             (app, codec.GET_USER_NAME): Command("get_user_name", operator, self._get_user_name),
+            (app, codec.GET_USER_PAYLOAD_ACCESS): Command(
+                "get_user_payload_access", operator, self._get_user_payload_access),
             (chassis, codec.GET_CHASSIS_STATUS): Command("get_chassis_status", user, self._get_chassis_status),
             (chassis, codec.CHASSIS_CONTROL): Command("chassis_control", operator, self._chassis_control, True),
             (chassis, codec.CHASSIS_IDENTIFY): Command("chassis_identify", operator, self._chassis_identify, True),
@@ -123,6 +149,32 @@ class IpmiServer:
                 Completion.INVALID_DATA_FIELD),
             (chassis, codec.GET_SYSTEM_BOOT_OPTIONS): Command(
                 "get_system_boot_options", operator, self._get_system_boot_options),
+            (chassis, codec.GET_SYSTEM_RESTART_CAUSE): Command(
+                "get_system_restart_cause", operator, self._get_system_restart_cause),
+            (chassis, codec.GET_POH_COUNTER): Command("get_poh_counter", user, self._get_poh_counter),
+            (app, codec.GET_ACPI_POWER_STATE): Command("get_acpi_power_state", user, self._get_acpi_power_state),
+            (app, codec.GET_SESSION_INFO): Command("get_session_info", user, self._get_session_info),
+            (storage, sdr.GET_SDR_REPOSITORY_INFO): Command(
+                "get_sdr_repository_info", user, self._get_sdr_repository_info),
+            (storage, sdr.RESERVE_SDR_REPOSITORY): Command("reserve_sdr_repository", user, self._reserve_sdr),
+            (storage, sdr.GET_SDR): Command("get_sdr", user, self._get_sdr),
+            (sensor, sdr.GET_SENSOR_READING): Command("get_sensor_reading", user, self._get_sensor_reading),
+            (storage, fru.GET_FRU_INVENTORY_AREA_INFO): Command(
+                "get_fru_inventory_area_info", user, self._get_fru_area_info),
+            (storage, fru.READ_FRU_DATA): Command("read_fru_data", user, self._read_fru_data),
+            (storage, sel.GET_SEL_INFO): Command("get_sel_info", user, self._get_sel_info),
+            (storage, sel.RESERVE_SEL): Command("reserve_sel", user, self._reserve_sel),
+            (storage, sel.GET_SEL_ENTRY): Command("get_sel_entry", user, self._get_sel_entry),
+            (storage, sel.ADD_SEL_ENTRY): Command("add_sel_entry", operator, self._add_sel_entry, True),
+            (storage, sel.CLEAR_SEL): Command("clear_sel", operator, self._clear_sel, True),
+            (storage, sel.GET_SEL_TIME): Command("get_sel_time", user, self._get_sel_time),
+            (storage, sel.SET_SEL_TIME): Command("set_sel_time", operator, self._set_sel_time, True),
+            (transport, lan.GET_LAN_CONFIGURATION): Command(
+                "get_lan_configuration", operator, self._get_lan_configuration),
+            (app, lan.SECURITY_KEYS): Command(
+                "channel_security_keys", Privilege.ADMINISTRATOR, self._channel_security_keys),
+            (transport, lan.SET_LAN_CONFIGURATION): Command(
+                "set_lan_configuration", Privilege.ADMINISTRATOR, self._set_lan_configuration, True),
         }
 
     # ---- lifecycle
@@ -151,6 +203,7 @@ class IpmiServer:
         self._transport = Transport(sock.sendto)
         self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ipmi-{self._vm}-machine")
         self._stopping.clear()
+        self._unsubscribe = self.machine.events.subscribe(self._machine_event)
         self._thread = threading.Thread(target=self._serve, name=f"ipmi-{self._vm}", daemon=True)
         self._thread.start()
         log.info("ipmi server started vm=%s address=%s:%d", self._vm, *self.address,
@@ -168,6 +221,9 @@ class IpmiServer:
         if self._socket is not None:
             self._socket.close()
         self._sessions.clear()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
         log.info("ipmi server stopped vm=%s", self._vm, extra={"protocol": "ipmi", "vm": self._vm})
 
     def __enter__(self) -> IpmiServer:
@@ -361,6 +417,7 @@ class IpmiServer:
                                 f"needs {entry.privilege.name}, session is {session.privilege.name}")
         started = time.perf_counter()
         error = ""
+        self._current = session
         try:
             reply = entry.handler(data)
         except MachineError as exc:
@@ -422,10 +479,37 @@ class IpmiServer:
     def _get_user_name(self, data: bytes) -> Reply:
         return Reply(*codec.user_name(data, self._username))
 
+    def _get_user_payload_access(self, data: bytes) -> Reply:
+        return Reply(*codec.user_payload_access(LAN_CHANNEL, data))
+
     # ---- chassis (netfn Chassis)
 
     def _get_chassis_status(self, data: bytes) -> Reply:
-        return Reply(Completion.OK, codec.chassis_status(self.machine.power_state(), self._identify_state()))
+        return Reply(Completion.OK, codec.chassis_status(
+            self.machine.power_state(), self._identify_state(), started_by_bmc=self._started_by_bmc(),
+            last_on_by_ipmi=self._restart_cause == RestartCause.CHASSIS_CONTROL))
+
+    def _started_by_bmc(self) -> bool:
+        """Whether the chassis reads on before the VM does: after this BMC's power-up command, while the VM is
+        powering on (or, for POWER_UP_GRACE, still reads off because KubeVirt has not acted yet)."""
+        if not self._powering_up:
+            return False
+        if self.machine.power_state() == PowerState.OFF:
+            return time.monotonic() - self._powered_up_at < POWER_UP_GRACE
+        return True
+
+    def _machine_event(self, event: Event) -> None:
+        """Called on the publishing thread (vbmc/events.py): the SEL, and what power-up and restart cause
+        follow."""
+        self.sel.record(event)
+        if event.reason != POWER_STATE_CHANGED:
+            return
+        after = event.detail.get("to", "")
+        if after in (PowerState.ON, PowerState.OFF, PowerState.PAUSED):
+            self._powering_up = False
+        if event.detail.get("from") == PowerState.OFF and after in (PowerState.ON, PowerState.POWERING_ON):
+            recent = time.monotonic() - self._powered_up_at < RESTART_CAUSE_WINDOW
+            self._restart_cause = RestartCause.CHASSIS_CONTROL if recent else RestartCause.UNKNOWN
 
     def _chassis_control(self, data: bytes) -> Reply:
         try:
@@ -433,6 +517,12 @@ class IpmiServer:
         except InvalidRequest:
             return Reply(Completion.INVALID_DATA_FIELD)
         self._write(self.machine.reset, reset)
+        if reset in (ResetType.ON, ResetType.POWER_CYCLE, ResetType.FORCE_RESTART):
+            self._powered_up_at = time.monotonic()
+            self._powering_up = self.machine.power_state() != PowerState.ON
+            self._restart_cause = RestartCause.CHASSIS_CONTROL
+        elif reset in (ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN):
+            self._powering_up = False
         return Reply(Completion.OK, detail=reset.value)
 
     def _chassis_identify(self, data: bytes) -> Reply:
@@ -478,6 +568,7 @@ class IpmiServer:
         if parameter == codec.BOOT_FLAGS:
             override = codec.decode_boot_flags(value, self.machine.boot_override().mode)
             self._write(self.machine.set_boot_override, override)
+            self._boot_request = (override, codec.boot_device_selector(value))
             return Reply(Completion.OK,
                          detail=f"{override.target.value}/{override.enabled.value}/{override.mode.value}")
         return Reply(Completion.PARAMETER_NOT_SUPPORTED)
@@ -493,10 +584,122 @@ class IpmiServer:
         elif parameter == codec.BOOT_INFO_ACKNOWLEDGE:
             value = bytes([0, self._boot_info_acknowledge])  # the write mask reads back as 0
         elif parameter == codec.BOOT_FLAGS:
-            value = codec.encode_boot_flags(self.machine.boot_override())
+            override = self.machine.boot_override()
+            requested = self._boot_request
+            selector = requested[1] if requested is not None and requested[0] == override else None
+            value = codec.encode_boot_flags(override, selector)
         else:
             return Reply(Completion.PARAMETER_NOT_SUPPORTED)
         return Reply(Completion.OK, codec.boot_option(parameter, value))
+
+
+    def _get_system_restart_cause(self, data: bytes) -> Reply:
+        return Reply(Completion.OK, codec.restart_cause(self._restart_cause, LAN_CHANNEL))
+
+    def _get_poh_counter(self, data: bytes) -> Reply:
+        since = self.machine.running_since()
+        return Reply(Completion.OK, codec.poh_counter(time.time() - since if since is not None else 0))
+
+    def _get_acpi_power_state(self, data: bytes) -> Reply:
+        return Reply(Completion.OK, codec.acpi_power_state(self.machine.power_state()))
+
+    # ---- sessions
+
+    def _session_entry(self, session: RmcpPlusSession) -> SessionEntry:
+        handle = self._handles.get(session.managed_session_id)
+        if handle is None:
+            handle = self._handles[session.managed_session_id] = self._next_handle
+            self._next_handle = self._next_handle % 0xFE + 1  # 00h and FFh are not handles
+        return SessionEntry(handle, session.managed_session_id, codec.ACCOUNT_USER_ID, session.privilege,
+                            _host(session.sockaddr), int(session.sockaddr[1]) if len(session.sockaddr) > 1 else 0)
+
+    def _get_session_info(self, data: bytes) -> Reply:
+        assert self._current is not None
+        active = [s for s in self._sessions.values() if s.state is State.ACTIVE]
+        live = {s.managed_session_id for s in active}
+        for stale in [sid for sid in self._handles if sid not in live]:
+            del self._handles[stale]
+        entries = sorted((self._session_entry(s) for s in active), key=lambda e: e.handle)
+        return Reply(*codec.session_info(data, self._session_entry(self._current), entries, MAX_SESSIONS,
+                                         LAN_CHANNEL))
+
+    # ---- SDR repository and sensors (sdr.py), FRU (fru.py), SEL (sel.py)
+
+    def _get_sdr_repository_info(self, data: bytes) -> Reply:
+        return Reply(Completion.OK, sdr.repository_info(len(self._sdr), self._sdr_updated))
+
+    def _reserve_sdr(self, data: bytes) -> Reply:
+        self._sdr_reservation = self._sdr_reservation % 0xFFFF + 1
+        return Reply(Completion.OK, self._sdr_reservation.to_bytes(2, "little"))
+
+    def _get_sdr(self, data: bytes) -> Reply:
+        return Reply(*sdr.get_sdr(self._sdr, self._sdr_reservation, data))
+
+    def _get_sensor_reading(self, data: bytes) -> Reply:
+        if len(data) != 1:
+            return Reply(Completion.REQUEST_DATA_LENGTH_INVALID)
+        if data[0] == sdr.ACPI_POWER.number:
+            states = 1 << sdr.acpi_power_offset(self.machine.power_state())
+        elif data[0] == sdr.VIRTUAL_CD.number:
+            states = sdr.drive_states(self.machine.virtual_media().state)
+        else:
+            return Reply(Completion.NOT_PRESENT)
+        return Reply(Completion.OK, sdr.sensor_reading(states))
+
+    def _fru_data(self) -> bytes:
+        return fru.inventory_data(self.machine.inventory())
+
+    def _get_fru_area_info(self, data: bytes) -> Reply:
+        return Reply(*fru.area_info(data, len(self._fru_data())))
+
+    def _read_fru_data(self, data: bytes) -> Reply:
+        return Reply(*fru.read_data(data, self._fru_data()))
+
+    def _get_sel_info(self, data: bytes) -> Reply:
+        return Reply(Completion.OK, self.sel.info())
+
+    def _reserve_sel(self, data: bytes) -> Reply:
+        return Reply(Completion.OK, self.sel.reserve())
+
+    def _get_sel_entry(self, data: bytes) -> Reply:
+        return Reply(*self.sel.entry(data))
+
+    def _add_sel_entry(self, data: bytes) -> Reply:
+        return Reply(*self.sel.add(data))
+
+    def _clear_sel(self, data: bytes) -> Reply:
+        completion, answer = self.sel.clear(data)
+        return Reply(completion, answer, detail="erase" if data[5:6] == b"\xaa" else "status")
+
+    def _get_sel_time(self, data: bytes) -> Reply:
+        return Reply(Completion.OK, (self.sel.now() & 0xFFFFFFFF).to_bytes(4, "little"))
+
+    def _set_sel_time(self, data: bytes) -> Reply:
+        if len(data) != 4:
+            return Reply(Completion.REQUEST_DATA_LENGTH_INVALID)
+        stamp = int.from_bytes(data, "little")
+        self.sel.set_time(stamp)
+        return Reply(Completion.OK, detail=f"sel_time={stamp}")
+
+    # ---- LAN configuration (lan.py)
+
+    def _network(self) -> lan.Network:
+        """The Service's address and port (623) when the backend knows it, else the address served on."""
+        service = self.machine.service_address()
+        if service:
+            return lan.network_for(service, codec.IPMI_PORT)
+        host, port = self.address
+        return lan.network_for(host, port)
+
+    def _get_lan_configuration(self, data: bytes) -> Reply:
+        return Reply(*lan.get(LAN_CHANNEL, data, self._network()))
+
+    def _channel_security_keys(self, data: bytes) -> Reply:
+        return Reply(*lan.security_keys(LAN_CHANNEL, data))
+
+    def _set_lan_configuration(self, data: bytes) -> Reply:
+        completion, detail = lan.set_(LAN_CHANNEL, data, self._network())
+        return Reply(completion, detail=detail)
 
 
 class Slot(NamedTuple):
