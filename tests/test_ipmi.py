@@ -630,7 +630,7 @@ def test_completion_codes_of_machine_errors(error: MachineError, invalid: Comple
 
 def test_device_id_is_spec_sized() -> None:
     payload = codec.device_id(1, 23, manufacturer_id=0x0A1B2C, product_id=0x1234)
-    assert payload == bytes([0x20, 0x01, 0x01, 0x23, 0x02, 0x80, 0x2C, 0x1B, 0x0A, 0x34, 0x12])
+    assert payload == bytes([0x20, 0x01, 0x01, 0x23, 0x02, 0x8F, 0x2C, 0x1B, 0x0A, 0x34, 0x12])
 
 
 def test_system_guid_is_least_significant_byte_first() -> None:
