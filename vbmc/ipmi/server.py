@@ -53,7 +53,7 @@ POLL_INTERVAL = 0.2  # how often the receive loop looks at stop()
 # How long after an accepted power-up command the chassis reads "on" while the VM still reads off (KubeVirt has not
 # yet turned the start request into a VMI): the power button was pressed, the chassis has power.
 POWER_UP_GRACE = 10.0
-RESTART_CAUSE_WINDOW = 30.0  # a power-on observed this soon after the BMC's own command is that command's doing
+RESTART_CAUSE_WINDOW = 30.0  # the first power-on observed this soon after the BMC's own command is that command's
 RECEIVE_SIZE = 2048
 
 
@@ -108,6 +108,7 @@ class IpmiServer:
         # codec.chassis_power_is_on); what last started the machine (Get System Restart Cause).
         self._powered_up_at = float("-inf")
         self._powering_up = False
+        self._start_pending_until = float("-inf")  # the next power-on observed before this is the BMC's doing
         self._restart_cause = RestartCause.UNKNOWN
         # SDR repository, FRU, SEL (sdr.py, fru.py, sel.py); the SEL follows the machine's event bus from start().
         self._sdr = sdr.repository()
@@ -508,16 +509,24 @@ class IpmiServer:
         if after in (PowerState.ON, PowerState.OFF, PowerState.PAUSED):
             self._powering_up = False
         if event.detail.get("from") == PowerState.OFF and after in (PowerState.ON, PowerState.POWERING_ON):
-            recent = time.monotonic() - self._powered_up_at < RESTART_CAUSE_WINDOW
-            self._restart_cause = RestartCause.CHASSIS_CONTROL if recent else RestartCause.UNKNOWN
+            ours = time.monotonic() < self._start_pending_until
+            self._start_pending_until = float("-inf")
+            self._restart_cause = RestartCause.CHASSIS_CONTROL if ours else RestartCause.UNKNOWN
 
     def _chassis_control(self, data: bytes) -> Reply:
         try:
             reset = codec.chassis_control_reset(data)
         except InvalidRequest:
             return Reply(Completion.INVALID_DATA_FIELD)
-        self._write(self.machine.reset, reset)
-        if reset in (ResetType.ON, ResetType.POWER_CYCLE, ResetType.FORCE_RESTART):
+        starts = reset in (ResetType.ON, ResetType.POWER_CYCLE, ResetType.FORCE_RESTART)
+        if starts:  # before the call: the backend may publish the power change before it returns
+            self._start_pending_until = time.monotonic() + RESTART_CAUSE_WINDOW
+        try:
+            self._write(self.machine.reset, reset)
+        except MachineError:
+            self._start_pending_until = float("-inf")
+            raise
+        if starts:
             self._powered_up_at = time.monotonic()
             self._powering_up = self.machine.power_state() != PowerState.ON
             self._restart_cause = RestartCause.CHASSIS_CONTROL
