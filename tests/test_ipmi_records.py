@@ -337,3 +337,23 @@ def test_user_payload_access() -> None:
     assert codec.user_payload_access(1, b"\x01\x02") == (Completion.OK, b"\x02\x00\x00\x00")
     assert codec.user_payload_access(1, b"\x01\x01") == (Completion.OK, bytes(4))
     assert codec.user_payload_access(1, b"\x01\x03")[0] == Completion.INVALID_DATA_FIELD
+
+
+def test_bios_boot_type_reads_back_as_requested_before_a_device_is_chosen() -> None:
+    # ipmi-chassis-config writes BIOS_Boot_Type PC-COMPATIBLE with no device yet, reads back, then adds PXE.
+    override = codec.decode_boot_flags(b"\x80\x00", BootMode.UEFI)
+    assert override.mode == BootMode.UEFI  # not applied to the machine without a device
+    assert codec.encode_boot_flags(override, 0, efi=False)[0] == 0x80
+    assert codec.encode_boot_flags(override)[0] == 0xA0
+
+
+@pytest.mark.parametrize(("requested", "current", "still"), [
+    (BootOverride(BootTarget.NONE, BootEnabled.ONCE, BootMode.LEGACY), BootOverride(), True),
+    (BootOverride(BootTarget.NONE, BootEnabled.ONCE), BootOverride(BootTarget.PXE, BootEnabled.ONCE), False),
+    (BootOverride(BootTarget.HDD, BootEnabled.ONCE), BootOverride(BootTarget.HDD, BootEnabled.ONCE), True),
+    (BootOverride(BootTarget.HDD, BootEnabled.ONCE), BootOverride(), False),  # consumed by a boot
+    (BootOverride(BootTarget.HDD, BootEnabled.ONCE, BootMode.LEGACY), BootOverride(BootTarget.HDD, BootEnabled.ONCE),
+     False),
+])
+def test_still_requested(requested: BootOverride, current: BootOverride, still: bool) -> None:
+    assert codec.still_requested(requested, current) is still

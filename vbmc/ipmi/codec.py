@@ -374,10 +374,21 @@ def boot_device_selector(data: bytes) -> int:
     return (data[1] >> 2) & 0x0F if len(data) > 1 else 0
 
 
-def encode_boot_flags(override: BootOverride, selector: int | None = None) -> bytes:
+def still_requested(requested: BootOverride, current: BootOverride) -> bool:
+    """Whether the machine's override is still the one a Set System Boot Options asked for, so that the flags
+    are read back as sent. A request without a device ("no override") is still in force while the machine has
+    none, whatever the backend makes of its enabled state and mode."""
+    if requested.target == BootTarget.NONE:
+        return current.target == BootTarget.NONE
+    return requested == current
+
+
+def encode_boot_flags(override: BootOverride, selector: int | None = None, efi: bool | None = None) -> bytes:
     """The five data bytes of boot flags (parameter 5) for a BootOverride. `selector`: the device selector as it
     was requested, when it is one of several that mean this target on a VM (safe-mode disk is disk, remote CD is
-    CD): a client reads back what it set."""
+    CD); `efi`: the BIOS boot type bit as it was requested, which a write without a device does not apply to the
+    machine (see decode_boot_flags). A client reads back what it set: ipmi-chassis-config commits key by key, each
+    write built on what the previous one reads back."""
     if selector is not None and BOOT_DEVICE_TARGETS.get(selector) != override.target:
         selector = None
     flags = 0
@@ -385,7 +396,7 @@ def encode_boot_flags(override: BootOverride, selector: int | None = None) -> by
         flags |= BOOT_FLAGS_VALID
     if override.enabled == BootEnabled.CONTINUOUS:
         flags |= BOOT_FLAGS_PERSISTENT
-    if override.mode == BootMode.UEFI:
+    if (override.mode == BootMode.UEFI) if efi is None else efi:
         flags |= BOOT_FLAGS_EFI
     device = TARGET_BOOT_DEVICES[override.target] if selector is None else selector
     return bytes([flags, device << 2, 0, 0, 0])

@@ -101,9 +101,9 @@ class IpmiServer:
         self._boot_set_in_progress = 0
         self._boot_flag_valid_bit_clearing = 0
         self._boot_info_acknowledge = 0
-        # Boot flags as last requested, with the device selector the Machine cannot tell apart (safe-mode disk,
-        # remote CD): read back as requested while the override is still the one they set.
-        self._boot_request: tuple[BootOverride, int] | None = None
+        # Boot flags as last requested: the device selector the Machine cannot tell apart (safe-mode disk, remote
+        # CD) and the BIOS boot type bit; read back as requested while the override is still the one they set.
+        self._boot_request: tuple[BootOverride, int, bool] | None = None
         # Power-up by this BMC: when (monotonic), and whether the chassis is "on" before the VM is (see
         # codec.chassis_power_is_on); what last started the machine (Get System Restart Cause).
         self._powered_up_at = float("-inf")
@@ -577,7 +577,7 @@ class IpmiServer:
         if parameter == codec.BOOT_FLAGS:
             override = codec.decode_boot_flags(value, self.machine.boot_override().mode)
             self._write(self.machine.set_boot_override, override)
-            self._boot_request = (override, codec.boot_device_selector(value))
+            self._boot_request = (override, codec.boot_device_selector(value), bool(value[0] & codec.BOOT_FLAGS_EFI))
             return Reply(Completion.OK,
                          detail=f"{override.target.value}/{override.enabled.value}/{override.mode.value}")
         return Reply(Completion.PARAMETER_NOT_SUPPORTED)
@@ -595,8 +595,10 @@ class IpmiServer:
         elif parameter == codec.BOOT_FLAGS:
             override = self.machine.boot_override()
             requested = self._boot_request
-            selector = requested[1] if requested is not None and requested[0] == override else None
-            value = codec.encode_boot_flags(override, selector)
+            if requested is not None and codec.still_requested(requested[0], override):
+                value = codec.encode_boot_flags(override, requested[1], requested[2])
+            else:
+                value = codec.encode_boot_flags(override)
         else:
             return Reply(Completion.PARAMETER_NOT_SUPPORTED)
         return Reply(Completion.OK, codec.boot_option(parameter, value))
