@@ -20,7 +20,8 @@ class WorkQueue:
         self._dirty: set[Hashable] = set()
         self._processing: set[Hashable] = set()
         self._failures: dict[Hashable, int] = {}
-        self._waiting: list[tuple[float, int, Hashable]] = []  # (due, seq, key)
+        self._waiting: list[tuple[float, int, Hashable]] = []  # (due, seq, key); stale entries skipped
+        self._due: dict[Hashable, float] = {}  # key -> when it is due: one delayed add per key, the earliest
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._shutdown = False
@@ -42,8 +43,14 @@ class WorkQueue:
         if delay <= 0:
             self.add(key)
             return
+        due = time.monotonic() + delay
         with self._cond:
-            heapq.heappush(self._waiting, (time.monotonic() + delay, next(self._seq), key))
+            # As client-go's delaying queue: a key already waiting keeps the earlier of its two due times, so a
+            # key requeued on every event does not pile up heap entries (and reconciles) for one change.
+            if key in self._due and self._due[key] <= due:
+                return
+            self._due[key] = due
+            heapq.heappush(self._waiting, (due, next(self._seq), key))
             self._cond.notify()
 
     def add_rate_limited(self, key: Hashable) -> float:
@@ -99,7 +106,10 @@ class WorkQueue:
     def _promote(self) -> None:
         now = time.monotonic()
         while self._waiting and self._waiting[0][0] <= now:
-            _, _, key = heapq.heappop(self._waiting)
+            due, _, key = heapq.heappop(self._waiting)
+            if self._due.get(key) != due:
+                continue  # superseded by an earlier add_after of the same key
+            del self._due[key]
             if key not in self._dirty:
                 self._dirty.add(key)
                 if key not in self._processing:

@@ -307,6 +307,19 @@ def test_work_queue_backs_off_per_key_exponentially_up_to_a_cap() -> None:
     assert q.get(1.0) == "k" and time.monotonic() - began < 0.5
 
 
+def test_work_queue_keeps_one_delayed_add_per_key_the_earliest() -> None:
+    q = WorkQueue()
+    for _ in range(50):
+        q.add_after("k", 30.0)  # a resync requeued on every event
+    q.add_after("k", 0.02)  # an earlier one wins
+    q.add_after("k", 60.0)  # a later one is dropped
+    q.add_after("other", 30.0)
+    assert len(q._waiting) <= 3  # not one heap entry per call
+    assert q.get(1.0) == "k"
+    q.done("k")
+    assert q.get(0.1) is None  # the superseded entries do not hand the key out again
+
+
 # ---- the API transport and the caches' fetches
 
 

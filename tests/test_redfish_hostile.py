@@ -22,8 +22,9 @@ from tests.redfish_fuzz import Fuzzer, answer_problem, send_raw, wsgi_path
 from vbmc.machine import BackendUnavailable
 from vbmc.memory import MemoryMachine
 from vbmc.redfish import payloads
-from vbmc.redfish.app import create_app, image_url_problem
+from vbmc.redfish.app import create_app
 from vbmc.redfish.errors import RedfishError
+from vbmc.redfish.media import image_url_problem
 
 VM = "demo"
 SYSTEM = f"/redfish/v1/Systems/{VM}"

@@ -209,13 +209,15 @@ class Machine(abc.ABC):
         self.events.publish(reason, message, kind)
         log.info("event %s %s: %s", kind, reason, message)
 
-    def notify_changed(self) -> None:
-        """Backends call this when their view of the machine may have changed (a watch event, a write): publishes
-        PowerStateChanged when the power state is not the one last seen. Cheap: one read of the cached state."""
-        try:
-            power = self.power_state()
-        except MachineError:
-            return  # nothing trustworthy to compare (a stale cache, a VM not there yet)
+    def notify_changed(self, power: PowerState | None = None) -> None:
+        """Backends call this when their view of the machine may have changed (a watch event, a write), with the
+        power state when they know it: publishes PowerStateChanged when it is not the one last seen. Cheap: one
+        read of the cached state."""
+        if power is None:
+            try:
+                power = self.power_state()
+            except MachineError:
+                return  # nothing trustworthy to compare (a stale cache, a VM not there yet)
         lock = self.__dict__.setdefault("_observed_lock", threading.Lock())
         with lock:
             before = self.__dict__.get("_observed_power")

@@ -54,7 +54,7 @@ class MemoryMachine(Machine):
             uuid=uuid or str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"kubevbmc:{name}")), name=name,
             serial=name, cpu_sockets=1, cpu_cores=2, cpu_threads=1, memory_bytes=2 * 2**30,
             nics=(Nic("default", "02:00:00:00:00:01"),), disks=tuple(disks), firmware=BootMode.UEFI)
-        self.notify_changed()  # the power state the event bus compares the next one with
+        self.notify_changed(power)  # the power state the event bus compares the next one with
 
     # ---- power
 
@@ -94,7 +94,7 @@ class MemoryMachine(Machine):
                 if self._power != PowerState.PAUSED:
                     raise InvalidRequest("the machine is not paused")
                 self._power = PowerState.ON
-        self.notify_changed()
+        self.notify_changed(self._power)
 
     def _boot(self) -> None:
         self._power = PowerState.ON

@@ -1,0 +1,60 @@
+"""The BMC itself and the box around the system: the Manager with its NetworkProtocol, and the Chassis with its
+Drives. (The Manager's VirtualMedia are in `media`.)"""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, request
+
+from . import resources
+from .errors import not_found
+from .service import Service
+
+
+def blueprint(svc: Service) -> Blueprint:
+    bp = Blueprint("managers", __name__)
+    route, machine, ids, cache = svc.route, svc.machine, svc.ids, svc.cache
+
+    # ---- manager
+
+    @route(bp, ids.managers)
+    def managers() -> Response:
+        return svc.static("managers", "ManagerCollection", lambda: resources.collection(
+            "ManagerCollection", ids.managers, "Managers", [ids.manager]))
+
+    @route(bp, ids.manager)
+    def manager() -> Response:
+        has_media = bool(machine.media_slots())
+        return svc.send(cache.get("manager", "Manager", has_media, lambda: resources.manager(
+            ids, svc.manager_uuid, svc.version, has_media)))
+
+    @route(bp, f"{ids.manager}/NetworkProtocol")
+    def network_protocol() -> Response:
+        return svc.static("network_protocol", "ManagerNetworkProtocol", lambda: resources.network_protocol(
+            ids, svc.host_name, svc.fqdn, dict(svc.ports)))
+
+    # ---- chassis
+
+    @route(bp, ids.chassis_collection)
+    def chassis_collection() -> Response:
+        return svc.static("chassis_collection", "ChassisCollection", lambda: resources.collection(
+            "ChassisCollection", ids.chassis_collection, "Chassis", [ids.chassis]))
+
+    @route(bp, ids.chassis)
+    def chassis() -> Response:
+        key = (machine.inventory(), machine.power_state(), machine.health())
+        return svc.send(cache.get("chassis", "Chassis", key, lambda: resources.chassis(ids, *key)))
+
+    @route(bp, f"{ids.chassis}/Drives")
+    def drives() -> Response:
+        inv = machine.inventory()
+        return svc.send(cache.get("drives", "DriveCollection", inv, lambda: resources.collection(
+            "DriveCollection", f"{ids.chassis}/Drives", "Drives", resources.drive_paths(ids, inv))))
+
+    @route(bp, f"{ids.chassis}/Drives/<name>")
+    def drive(name: str) -> Response:
+        for d in resources.disks(machine.inventory()):
+            if d.name == name:
+                return svc.send_doc("Drive", resources.drive(ids, d.name, d.size_bytes))
+        raise not_found(request.path)
+
+    return bp

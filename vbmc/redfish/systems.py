@@ -1,0 +1,136 @@
+"""The ComputerSystem and what hangs off it: power (Reset), boot override (PATCH), and the inventory a
+provisioning system inspects (EthernetInterfaces, Processors, Memory, SimpleStorage, Storage)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from flask import Blueprint, Response, request
+
+from ..machine import BootEnabled, BootMode, BootOverride, BootTarget, InvalidRequest, Inventory, ResetType, Unsupported
+from . import payloads, resources
+from .errors import RedfishError, not_found
+from .resources import Ids
+from .service import Rendered, Service
+
+
+def blueprint(svc: Service) -> Blueprint:
+    bp = Blueprint("systems", __name__)
+    route, machine, ids, cache = svc.route, svc.machine, svc.ids, svc.cache
+
+    def rendered_system() -> Rendered:
+        key = (machine.power_state(), machine.health(), machine.boot_override(), machine.supported_boot_targets(),
+               machine.supported_reset_types(), machine.inventory(), machine.media_slots())
+        return cache.get("system", "ComputerSystem", key, lambda: resources.system(
+            ids, key[0], key[1], key[2], key[3], key[4], key[5], bool(key[6])))
+
+    @route(bp, ids.systems)
+    def systems() -> Response:
+        return svc.static("systems", "ComputerSystemCollection", lambda: resources.collection(
+            "ComputerSystemCollection", ids.systems, "Computer Systems", [ids.system]))
+
+    @route(bp, ids.system, ("GET", "PATCH"))
+    def system() -> Response:
+        if request.method == "PATCH":
+            return patch_system()
+        return svc.send(rendered_system(), etag=True)
+
+    def patch_system() -> Response:
+        current = rendered_system()
+        svc.check_if_match(current)
+        readonly = json.loads(current.body)
+        patch = payloads.parse_patch(payloads.SystemPatch, svc.body(), readonly)
+        if patch.Boot is not None:
+            old = machine.boot_override()
+            boot = patch.Boot
+            target = old.target
+            if boot.BootSourceOverrideTarget is not None:
+                allowed = [t.value for t in machine.supported_boot_targets()]
+                if boot.BootSourceOverrideTarget not in allowed:
+                    raise RedfishError(400, "PropertyValueNotInList", boot.BootSourceOverrideTarget,
+                                       "BootSourceOverrideTarget", related="#/Boot/BootSourceOverrideTarget")
+                target = BootTarget(boot.BootSourceOverrideTarget)
+            enabled = BootEnabled(boot.BootSourceOverrideEnabled) if boot.BootSourceOverrideEnabled else old.enabled
+            mode = BootMode(boot.BootSourceOverrideMode) if boot.BootSourceOverrideMode else old.mode
+            try:
+                machine.set_boot_override(BootOverride(target, enabled, mode))
+            except InvalidRequest as exc:
+                raise RedfishError(400, "GeneralError", detail=str(exc)) from None
+            except Unsupported as exc:
+                raise RedfishError(400, "PropertyValueNotInList", target.value, "BootSourceOverrideTarget",
+                                   detail=str(exc), related="#/Boot/BootSourceOverrideTarget") from None
+        return svc.send(rendered_system(), etag=True)
+
+    @route(bp, f"{ids.system}/Actions/ComputerSystem.Reset", ("POST",))
+    def reset() -> Response:
+        action = "ComputerSystem.Reset"
+        parsed = payloads.parse_action(payloads.ResetAction, svc.body(), action)
+        allowed = [r.value for r in machine.supported_reset_types() if r != ResetType.NMI]
+        if parsed.ResetType not in allowed:
+            raise RedfishError(400, "ActionParameterValueNotInList", parsed.ResetType, "ResetType", action,
+                               related="#/ResetType")
+        machine.reset(ResetType(parsed.ResetType))
+        return svc.no_content()
+
+    # ---- inventory
+
+    @route(bp, f"{ids.system}/EthernetInterfaces")
+    def nics() -> Response:
+        inv = machine.inventory()
+        path = f"{ids.system}/EthernetInterfaces"
+        return svc.send(cache.get("nics", "EthernetInterfaceCollection", inv, lambda: resources.collection(
+            "EthernetInterfaceCollection", path, "Ethernet Interfaces", [f"{path}/{n.name}" for n in inv.nics])))
+
+    @route(bp, f"{ids.system}/EthernetInterfaces/<name>")
+    def nic(name: str) -> Response:
+        found = next((n for n in machine.inventory().nics if n.name == name), None)
+        if found is None:
+            raise not_found(request.path)
+        power = machine.power_state()
+        return svc.send(cache.get(f"nic:{name}", "EthernetInterface", (found, power),
+                                  lambda: resources.ethernet_interface(ids, found.name, found.mac, power)))
+
+    @route(bp, f"{ids.system}/Processors")
+    def cpus() -> Response:
+        inv = machine.inventory()
+        return svc.send(cache.get("cpus", "ProcessorCollection", inv, lambda: resources.collection(
+            "ProcessorCollection", f"{ids.system}/Processors", "Processors", resources.processors(ids, inv))))
+
+    @route(bp, f"{ids.system}/Processors/<cpu>")
+    def cpu(cpu: str) -> Response:
+        inv = machine.inventory()
+        index = next((i for i in range(inv.cpu_sockets) if cpu == f"CPU{i}"), None)
+        if index is None:
+            raise not_found(request.path)
+        return svc.send_doc("Processor", resources.processor(ids, inv, index))
+
+    @route(bp, f"{ids.system}/Memory")
+    def memories() -> Response:
+        return svc.static("memories", "MemoryCollection", lambda: resources.collection(
+            "MemoryCollection", f"{ids.system}/Memory", "Memory", [f"{ids.system}/Memory/{resources.MEMORY_ID}"]))
+
+    @route(bp, f"{ids.system}/Memory/{resources.MEMORY_ID}")
+    def memory() -> Response:
+        inv = machine.inventory()
+        return svc.send(cache.get("memory", "Memory", inv, lambda: resources.memory(ids, inv)))
+
+    def storage_routes(kind: str, title: str, name: str,
+                       render: Callable[[Ids, Inventory], dict[str, Any]]) -> None:
+        """A storage collection with its one member: SimpleStorage and Storage differ only in the rendering."""
+        path = f"{ids.system}/{kind}"
+
+        @route(bp, path, endpoint=f"{name}s")
+        def collection() -> Response:
+            return svc.static(f"{name}s", f"{kind}Collection", lambda: resources.collection(
+                f"{kind}Collection", path, title, [f"{path}/{resources.STORAGE_ID}"]))
+
+        @route(bp, f"{path}/{resources.STORAGE_ID}", endpoint=name)
+        def member() -> Response:
+            inv = machine.inventory()
+            return svc.send(cache.get(name, kind, inv, lambda: render(ids, inv)))
+
+    storage_routes("SimpleStorage", "Simple Storage", "simple_storage", resources.simple_storage)
+    storage_routes("Storage", "Storage", "storage", resources.storage)
+    return bp
