@@ -281,3 +281,50 @@ def test_pyghmi_health_inventory_and_sensor_data(bmc: IpmiServer, machine: Memor
         assert readings["ACPI Pwr State"].type == "System ACPI Power State"
     finally:
         session.ipmi_session.logout()
+
+
+# ---- what happened before, bad input, privilege
+
+
+def test_the_sel_has_what_happened_before_the_bmc_listened() -> None:
+    machine = MemoryMachine("vm-early")
+    machine.reset(ResetType.ON)  # published on the bus before any IPMI server exists
+    server = serve(machine)
+    try:
+        assert "S0/G0: working" in sel_lines(server)[0]
+        machine.reset(ResetType.FORCE_OFF)
+        assert len(sel_lines(server)) == 2
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("raw", "code"), [
+    (("0x04", "0x2d", "9"), "0xcb"),  # Get Sensor Reading of a sensor that does not exist
+    (("0x04", "0x2d", "3"), "0xcb"),  # an event-only sensor has no reading
+    (("0x0a", "0x23", "0", "0", "99", "0", "0", "0xff"), "0xcb"),  # Get SDR of a record that does not exist
+    (("0x0a", "0x10", "1"), "0xcb"),  # FRU device 1
+    (("0x0a", "0x11", "0", "0xff", "0x7f", "16"), "0xc9"),  # Read FRU Data past the end
+    (("0x0a", "0x44", "0", "0"), "0xc7"),  # Add SEL Entry without a record
+    (("0x0a", "0x47", "0x22", "0x11", "0x43", "0x4c", "0x52", "0xaa"), "0xc5"),  # Clear SEL, no reservation
+    (("0x0c", "0x02", "0x01", "0x63", "0", "0"), "0x80"),  # LAN parameter 99
+])
+def test_bad_requests_get_the_specification_s_answer_and_change_nothing(bmc: IpmiServer, machine: MemoryMachine,
+                                                                         raw: tuple[str, ...], code: str) -> None:
+    machine.reset(ResetType.ON)
+    before = sel_lines(bmc)
+    result = ipmitool(bmc, "raw", *raw)
+    assert result.returncode != 0 and f"rsp={code}" in result.stderr, result.stderr
+    assert sel_lines(bmc) == before
+
+
+def test_a_user_session_reads_but_cannot_clear_the_sel_or_set_its_time(bmc: IpmiServer,
+                                                                       machine: MemoryMachine) -> None:
+    machine.reset(ResetType.ON)
+    user = ("-L", "USER")
+    assert "S0/G0: working" in ok(ipmitool(bmc, "sel", "elist", extra=user))
+    assert "ACPI Pwr State" in ok(ipmitool(bmc, "sdr", "list", extra=user))
+    assert "KubeVirt" in ok(ipmitool(bmc, "fru", "print", extra=user))
+    refused = ipmitool(bmc, "raw", "0x0a", "0x49", "0", "0", "0", "0", extra=user)
+    assert refused.returncode != 0 and "rsp=0xd4" in refused.stderr
+    ipmitool(bmc, "sel", "clear", extra=user)
+    assert len(sel_lines(bmc)) == 1

@@ -115,6 +115,8 @@ class IpmiServer:
         self._sdr_reservation = 0
         self._sdr_updated = int(time.time())
         self.sel = sel.EventLog()
+        self._sel_seq = 0  # the last bus event the SEL has looked at
+        self._sel_lock = threading.Lock()
         self._unsubscribe: Callable[[], None] | None = None
         # The session whose request is being answered (Get Session Info, index 0) and session handles.
         self._current: RmcpPlusSession | None = None
@@ -204,7 +206,10 @@ class IpmiServer:
         self._transport = Transport(sock.sendto)
         self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ipmi-{self._vm}-machine")
         self._stopping.clear()
-        self._unsubscribe = self.machine.events.subscribe(self._machine_event)
+        with self._sel_lock:  # a listener call waits, then skips what the history already gave
+            self._unsubscribe = self.machine.events.subscribe(self._machine_event)
+            for event in self.machine.events.since(0):  # what happened before the BMC listened (the bus keeps 512)
+                self._log_event_locked(event)
         self._thread = threading.Thread(target=self._serve, name=f"ipmi-{self._vm}", daemon=True)
         self._thread.start()
         log.info("ipmi server started vm=%s address=%s:%d", self._vm, *self.address,
@@ -499,10 +504,20 @@ class IpmiServer:
             return time.monotonic() - self._powered_up_at < POWER_UP_GRACE
         return True
 
+    def _log_event(self, event: Event) -> None:
+        with self._sel_lock:
+            self._log_event_locked(event)
+
+    def _log_event_locked(self, event: Event) -> None:
+        """Into the SEL once, whether it comes from the bus's history at start() or from the subscription."""
+        if event.seq > self._sel_seq:
+            self._sel_seq = event.seq
+            self.sel.record(event)
+
     def _machine_event(self, event: Event) -> None:
         """Called on the publishing thread (vbmc/events.py): the SEL, and what power-up and restart cause
         follow."""
-        self.sel.record(event)
+        self._log_event(event)
         if event.reason != POWER_STATE_CHANGED:
             return
         after = event.detail.get("to", "")
