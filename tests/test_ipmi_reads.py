@@ -9,6 +9,7 @@ import datetime
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from pyghmi.ipmi import command as pyghmi_command
@@ -138,7 +139,7 @@ def test_a_full_sel_says_so_and_keeps_its_entries(bmc: IpmiServer, machine: Memo
     assert "Free Space       : 0 bytes" in info
 
 
-def test_add_sel_entry_through_ipmitool(bmc: IpmiServer, tmp_path: object) -> None:
+def test_add_sel_entry_through_ipmitool(bmc: IpmiServer) -> None:
     # `ipmitool sel add` needs a file; a raw Add SEL Entry (storage 44h) is what it sends.
     answer = ok(ipmitool(bmc, "raw", "0x0a", "0x44", "0", "0", "0x02", "0", "0", "0", "0", "0x41", "0", "0x04",
                          "0x12", "0x09", "0x6f", "0x00", "0xff", "0xff"))
@@ -328,3 +329,21 @@ def test_a_user_session_reads_but_cannot_clear_the_sel_or_set_its_time(bmc: Ipmi
     assert refused.returncode != 0 and "rsp=0xd4" in refused.stderr
     ipmitool(bmc, "sel", "clear", extra=user)
     assert len(sel_lines(bmc)) == 1
+
+
+def test_freeipmi_sensors_sel_fru_and_bmc_info(bmc: IpmiServer, machine: MemoryMachine, tmp_path: Path) -> None:
+    machine.reset(ResetType.ON)
+    cache = ("--sdr-cache-directory", str(tmp_path))
+    sensors = ok(freeipmi("ipmi-sensors", bmc, "--output-sensor-state", *cache))
+    assert re.search(r"ACPI Pwr State \| System ACPI Power State \| Nominal .*'S0/G0'", sensors), sensors
+    assert re.search(r"Virtual CD\s+\| Drive Slot\s+\| Nominal", sensors), sensors
+    assert "S0/G0" in ok(freeipmi("ipmi-sel", bmc, *cache))
+    info = ok(freeipmi("ipmi-sel", bmc, "--info"))
+    assert re.search(r"Number of log entries\s+: 1", info) and re.search(r"Recent erase timestamp\s+: Unspecified",
+                                                                         info)
+    fru = ok(freeipmi("ipmi-fru", bmc, *cache))
+    assert "FRU Product Manufacturer Name: KubeVirt" in fru
+    assert f"FRU Product Serial Number: {machine.inventory().serial}" in fru
+    bmc_info = ok(freeipmi("bmc-info", bmc))
+    for device in ("Sensor Device", "SDR Repository Device", "SEL Device", "FRU Inventory Device"):
+        assert re.search(rf"{device}\s+: supported", bmc_info), bmc_info

@@ -47,6 +47,7 @@ CLEAR_INITIATE = 0xAA
 CLEAR_STATUS = 0x00
 ERASURE_COMPLETED = 0x01
 LAST_ENTRY = 0xFFFF
+UNSPECIFIED_TIME = 0xFFFFFFFF  # section 37: an invalid or unspecified time (here: never)
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,8 @@ class EventLog:
         self._entries: list[bytes] = []
         self._next_id = 1
         self._reservation = 0
-        self._added = 0  # timestamps of the last addition and erase, 0 = never
-        self._erased = 0
+        self._added = UNSPECIFIED_TIME  # timestamps of the last addition and erase
+        self._erased = UNSPECIFIED_TIME
         self.overflow = False
 
     def now(self) -> int:
