@@ -347,3 +347,9 @@ def test_freeipmi_sensors_sel_fru_and_bmc_info(bmc: IpmiServer, machine: MemoryM
     bmc_info = ok(freeipmi("bmc-info", bmc))
     for device in ("Sensor Device", "SDR Repository Device", "SEL Device", "FRU Inventory Device"):
         assert re.search(rf"{device}\s+: supported", bmc_info), bmc_info
+
+
+def test_power_on_of_a_running_vm_does_not_claim_to_have_started_it(bmc: IpmiServer, machine: MemoryMachine) -> None:
+    machine.reset(ResetType.ON)  # started elsewhere
+    ok(ipmitool(bmc, "power", "on"))  # nothing to do
+    assert "System restart cause: unknown" in ok(ipmitool(bmc, "chassis", "restart_cause"))

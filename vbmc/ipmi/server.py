@@ -533,7 +533,9 @@ class IpmiServer:
             reset = codec.chassis_control_reset(data)
         except InvalidRequest:
             return Reply(Completion.INVALID_DATA_FIELD)
-        starts = reset in (ResetType.ON, ResetType.POWER_CYCLE, ResetType.FORCE_RESTART)
+        # "power on" of a VM that is on does nothing (DESIGN.md section 3): it did not start it.
+        starts = reset in (ResetType.POWER_CYCLE, ResetType.FORCE_RESTART) or (
+            reset == ResetType.ON and not codec.power_is_on(self.machine.power_state()))
         if starts:  # before the call: the backend may publish the power change before it returns
             self._start_pending_until = time.monotonic() + RESTART_CAUSE_WINDOW
         try:
@@ -618,6 +620,7 @@ class IpmiServer:
             return Reply(Completion.PARAMETER_NOT_SUPPORTED)
         return Reply(Completion.OK, codec.boot_option(parameter, value))
 
+    # ---- restart cause, POH counter (netfn Chassis), ACPI power state (netfn App)
 
     def _get_system_restart_cause(self, data: bytes) -> Reply:
         return Reply(Completion.OK, codec.restart_cause(self._restart_cause, LAN_CHANNEL))
