@@ -119,7 +119,8 @@ def test_sel_clear_empties_the_log(bmc: IpmiServer, machine: MemoryMachine) -> N
     assert "Last Del Time    : Not Available" not in ok(ipmitool(bmc, "sel", "info"))
 
 
-def test_sel_time_can_be_read_and_set(bmc: IpmiServer) -> None:
+def test_sel_time_can_be_read_and_set(bmc: IpmiServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TZ", "UTC")  # bmc-device takes local time; the clients inherit the environment
     now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
     shown = datetime.datetime.strptime(ok(ipmitool(bmc, "sel", "time", "get")).strip().removesuffix(" UTC"),
                                        "%m/%d/%y %H:%M:%S")
