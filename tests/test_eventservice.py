@@ -19,7 +19,10 @@ import pytest
 from kubernetes import client
 
 from controller import desired
-from vbmc.eventservice import SECRET_KEY, iso_timestamp
+from vbmc.events import Event
+from vbmc.eventservice import SECRET_KEY, event_record, iso_timestamp
+from vbmc.redfish.errors import RedfishError
+from vbmc.redfish.events import parse_filter
 
 from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, write_serving_certificate
 from .conftest import Sim, call, wait_for
@@ -399,3 +402,66 @@ def test_subscriptions_survive_an_agent_restart(sim: Sim, api: client.ApiClient,
 def test_iso_timestamps_are_utc_with_milliseconds() -> None:
     assert iso_timestamp(0.0) == "1970-01-01T00:00:00.000Z"
     assert iso_timestamp(1767323045.1234) == "2026-01-02T03:04:05.123Z"
+
+
+# ---- pure parts
+
+
+def bus_event(reason: str, seq: int = 7, **detail: str) -> Event:
+    return Event(seq, reason, "message", "Normal", 1767323045.5, dict(detail))
+
+
+MEDIA = "/redfish/v1/Managers/BMC/VirtualMedia"
+
+
+@pytest.mark.parametrize(("event", "message_id", "origin"), [
+    (bus_event("PowerStateChanged", to="On"), POWERED_ON, "/redfish/v1/Systems/vm1"),
+    (bus_event("PowerStateChanged", to="Off"), POWERED_OFF, "/redfish/v1/Systems/vm1"),
+    (bus_event("PowerStateChanged", to="Paused"), "ResourceEvent.1.4.ResourcePaused", "/redfish/v1/Systems/vm1"),
+    (bus_event("BootOverrideSet"), CHANGED, "/redfish/v1/Systems/vm1"),
+    (bus_event("BootOverrideConsumed"), CHANGED, "/redfish/v1/Systems/vm1"),
+    (bus_event("BootOverrideCleared"), CHANGED, "/redfish/v1/Systems/vm1"),
+    (bus_event("VirtualMediaInserted", slot="Cd"), CHANGED, f"{MEDIA}/Cd"),
+    (bus_event("VirtualMediaEjected"), CHANGED, f"{MEDIA}/Cd"),
+    (bus_event("VirtualMediaImported", slot="Cd"), CHANGED, f"{MEDIA}/Cd"),
+    (bus_event("VirtualMediaFailed", slot="Cd"), "ResourceEvent.1.4.ResourceErrorsDetected", f"{MEDIA}/Cd"),
+])
+def test_bus_events_map_to_resource_event_messages(event: Event, message_id: str, origin: str) -> None:
+    record = event_record(event, "/redfish/v1/Systems/vm1", "vm1", MEDIA)
+    assert record is not None
+    assert (record.message_id, record.origin, record.event_id, record.timestamp) == (
+        message_id, origin, "7", "2026-01-02T03:04:05.500Z")
+
+
+@pytest.mark.parametrize("reason", ["PowerAction", "RunStrategyManual", "LoginThrottled"])
+def test_bus_events_without_a_redfish_meaning_are_not_sent(reason: str) -> None:
+    assert event_record(bus_event(reason), "/redfish/v1/Systems/vm1", "vm1", MEDIA) is None
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (None, ([], [], [])),
+    ("RegistryPrefix eq 'ResourceEvent'", (["ResourceEvent"], [], [])),
+    ("(ResourceType eq 'ComputerSystem' or ResourceType eq 'VirtualMedia') "
+     "and OriginResource eq '/redfish/v1/Systems/vm1'",
+     ([], ["ComputerSystem", "VirtualMedia"], ["/redfish/v1/Systems/vm1"])),
+])
+def test_sse_filters_parse(text: str | None, expected: tuple[list[str], ...]) -> None:
+    assert parse_filter(text) == expected
+
+
+@pytest.mark.parametrize("text", ["MessageId eq 'x'", "ResourceType eq 'A' or RegistryPrefix eq 'B'",
+                                  "ResourceType eq 'A' and ResourceType eq 'B'", "ResourceType ne 'A'", ""])
+def test_sse_filters_outside_what_is_supported_are_refused(text: str) -> None:
+    with pytest.raises(RedfishError) as caught:
+        parse_filter(text)
+    assert caught.value.status == 400
+
+
+def test_the_controller_creates_the_subscriptions_secret_empty_and_grants_the_agent_that_one() -> None:
+    bmc = {"metadata": {"name": "b", "namespace": "ns", "uid": "u"}, "spec": {"virtualMachineRef": {"name": "vm"}}}
+    secret = desired.desired_events_secret(bmc, "vm")
+    assert secret["metadata"]["name"] == "vm-virtbmc-events" and "data" not in secret
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "u"
+    rules = [r for r in desired.desired_role(bmc, "vm", [])["rules"] if "secrets" in r["resources"]]
+    assert rules == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["vm-virtbmc-events"],
+                      "verbs": ["get", "update", "patch"]}]
