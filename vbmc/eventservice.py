@@ -406,10 +406,19 @@ class EventService:
         self._streams: set[EventStream] = set()
         self._unsubscribe: Callable[[], None] | None = None
         self._loaded = False
+        self._closed = threading.Event()
 
     def start(self) -> None:
         self._unsubscribe = self.bus.subscribe(self.on_event)
-        self.reload()
+        if not self.reload():
+            # The store did not answer (the API server, or a Secret not created yet): keep trying in the background,
+            # so that stored subscriptions get their events without waiting for a request about them.
+            threading.Thread(target=self._load_until_done, name="event-subscriptions-load", daemon=True).start()
+
+    def _load_until_done(self) -> None:
+        while not self._closed.wait(2.0):
+            if self._loaded or self.reload():
+                return
 
     def reload(self) -> bool:
         """Read the subscriptions from the store; False (and retried at the next call) when it cannot answer."""
@@ -419,6 +428,8 @@ class EventService:
             log.warning("eventservice: cannot read the subscriptions yet: %s", exc)
             return False
         with self._lock:
+            if self._loaded:
+                return True
             for sub in subs:
                 if sub.id not in self._subs:
                     self._subs[sub.id] = sub
@@ -433,6 +444,7 @@ class EventService:
             raise StoreUnavailable("the subscriptions cannot be read from the cluster yet")
 
     def close(self) -> None:
+        self._closed.set()
         if self._unsubscribe is not None:
             self._unsubscribe()
         with self._lock:
