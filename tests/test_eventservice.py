@@ -24,8 +24,10 @@ from vbmc.eventservice import SECRET_KEY, event_record, iso_timestamp
 from vbmc.redfish.errors import RedfishError
 from vbmc.redfish.events import parse_filter
 
-from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, write_serving_certificate
+from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, redfish_at, write_serving_certificate
 from .conftest import Sim, call, wait_for
+from .controllers import apply_bmc, get_bmc, ipmitool, is_ready, make_secret, pods
+from .vms import make_vm
 
 EVENT_SERVICE = "/redfish/v1/EventService"
 SUBSCRIPTIONS = f"{EVENT_SERVICE}/Subscriptions"
@@ -465,3 +467,38 @@ def test_the_controller_creates_the_subscriptions_secret_empty_and_grants_the_ag
     rules = [r for r in desired.desired_role(bmc, "vm", [])["rules"] if "secrets" in r["resources"]]
     assert rules == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["vm-virtbmc-events"],
                       "verbs": ["get", "update", "patch"]}]
+
+
+# ---- through the controller
+
+
+def test_a_controller_made_agent_keeps_subscriptions_across_a_pod_restart(api: client.ApiClient, namespace: str,
+                                                                           controller: Any) -> None:
+    make_vm(api, namespace)
+    make_secret(api, namespace)
+    apply_bmc(api, namespace)
+    wait_for(lambda: is_ready(api, namespace), timeout=40, what="the BMC to be Ready")
+    base = f"http://{get_bmc(api, namespace)['status']['clusterIP']}"
+    with receiver() as rx:
+        status, sub = redfish_at(base, "POST", SUBSCRIPTIONS, {"Destination": rx.url, "Protocol": "Redfish",
+                                                               "Context": "metal3"})
+        assert status == 201, sub
+        secret = call(api, "GET", f"/api/v1/namespaces/{namespace}/secrets/vm-virtbmc-events").body
+        assert secret["metadata"]["ownerReferences"][0]["kind"] == "VirtualMachineBMC"
+        assert [s["id"] for s in json.loads(base64.b64decode(secret["data"][SECRET_KEY]))] == [sub["Id"]]
+
+        [pod] = [p for p in pods(api, namespace) if p["metadata"]["name"].startswith("vm-virtbmc-")]
+        assert call(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}").status == 200
+
+        def served_again() -> bool:
+            try:
+                return redfish_at(base, "GET", sub["@odata.id"], timeout=2)[0] == 200 and not any(
+                    p["metadata"]["uid"] == pod["metadata"]["uid"] for p in pods(api, namespace))
+            except OSError:
+                return False
+
+        wait_for(served_again, timeout=40, what="a new agent pod serving the subscription")
+        status, shown = redfish_at(base, "GET", sub["@odata.id"])
+        assert (shown["Context"], shown["Destination"]) == ("metal3", rx.url)
+        assert ipmitool(base.removeprefix("http://"), "power", "on").returncode == 0
+        wait_for(lambda: POWERED_ON in rx.message_ids(), timeout=20, what="an event from the new pod")
