@@ -19,8 +19,8 @@ import pytest
 from kubernetes import client
 
 from controller import desired
-from vbmc.events import Event
-from vbmc.eventservice import SECRET_KEY, event_record, iso_timestamp
+from vbmc.events import Event, EventBus
+from vbmc.eventservice import QUEUE_LENGTH, SECRET_KEY, EventService, Subscription, event_record, iso_timestamp
 from vbmc.redfish.errors import RedfishError
 from vbmc.redfish.events import parse_filter
 
@@ -237,6 +237,9 @@ def test_submit_test_event_reaches_every_subscriber_as_given(agent: AgentProcess
         [record] = rx.records()
         assert (record["MessageId"], record["Message"], record["MessageSeverity"], record["EventId"],
                 record["EventTimestamp"]) == ("Base.1.19.Success", "hello", "Warning", "t-1", "2026-01-02T03:04:05Z")
+        status, doc = agent.redfish("POST", SUBMIT, {"MessageId": "Base.1.19.Success", "EventTimestamp": "noon"})
+        assert status == 400 and doc["error"]["@Message.ExtendedInfo"][0]["MessageId"].endswith(
+            "ActionParameterValueFormatError")
         status, doc = agent.redfish("POST", SUBMIT, {"Message": "no id"})
         assert status == 400 and doc["error"]["@Message.ExtendedInfo"][0]["MessageId"].endswith(
             "ActionParameterMissing")
@@ -502,3 +505,33 @@ def test_a_controller_made_agent_keeps_subscriptions_across_a_pod_restart(api: c
         assert (shown["Context"], shown["Destination"]) == ("metal3", rx.url)
         assert ipmitool(base.removeprefix("http://"), "power", "on").returncode == 0
         wait_for(lambda: POWERED_ON in rx.message_ids(), timeout=20, what="an event from the new pod")
+
+
+def test_a_slow_destination_gets_a_bounded_queue_that_drops_the_oldest(caplog: pytest.LogCaptureFixture) -> None:
+    bus = EventBus()
+    service = EventService(bus, system="/redfish/v1/Systems/vm1", system_name="vm1", media_base=MEDIA)
+    service.start()
+    release = threading.Event()
+    with receiver() as rx:
+        handler = rx.server.RequestHandlerClass
+        original = handler.do_POST  # type: ignore[attr-defined]
+
+        def held(self: Any) -> None:
+            release.wait(10)
+            original(self)
+
+        handler.do_POST = held  # type: ignore[attr-defined]
+        try:
+            service.create(Subscription(id="", destination=rx.url))
+            total = 500
+            for i in range(total):  # the publisher never waits on the destination
+                bus.publish("PowerStateChanged", "m", to="On" if i % 2 else "Off")
+            [deliverer] = service._deliverers.values()
+            assert deliverer.dropped >= total - QUEUE_LENGTH - 1
+            assert "the oldest dropped" in caplog.text
+        finally:
+            release.set()
+        wait_for(lambda: rx.records() and rx.records()[-1]["EventId"] == str(total), what="the newest event")
+        ids = [int(r["EventId"]) for r in rx.records()]
+        assert len(ids) <= QUEUE_LENGTH + 1 and ids == sorted(ids)
+    service.close()

@@ -254,8 +254,10 @@ class Deliverer:
             if len(self._queue) >= QUEUE_LENGTH:
                 dropped = self._queue.popleft()
                 self.dropped += 1
-                log.warning("eventservice: subscription %s: queue full (%d), event %s dropped", self.subscription.id,
-                            QUEUE_LENGTH, dropped.event_id)
+                if self.dropped == 1 or self.dropped % 100 == 0:  # a line, not a flood of them
+                    log.warning("eventservice: subscription %s: %d events waiting, the oldest dropped (event %s; %d "
+                                "dropped so far)", self.subscription.id, QUEUE_LENGTH, dropped.event_id,
+                                self.dropped)
             self._queue.append(record)
             self._cond.notify()
 
@@ -321,6 +323,7 @@ class EventStream:
         self._closed = False
         self._waker: Callable[[], None] | None = None
         self._last_seq = 0
+        self.dropped = 0
 
     def offer(self, record: Record) -> None:
         if not matches(record, *self.filters):
@@ -330,7 +333,9 @@ class EventStream:
                 return
             self._last_seq = record.seq
             if len(self._queue) == self._queue.maxlen:
-                log.warning("eventservice: an SSE client is not reading; event dropped")
+                self.dropped += 1
+                if self.dropped == 1 or self.dropped % 100 == 0:
+                    log.warning("eventservice: an SSE client is not reading; %d events dropped", self.dropped)
             self._queue.append(self.frame(record))
             self._cond.notify()
             waker = self._waker
@@ -401,6 +406,7 @@ class EventService:
         self.keepalive = keepalive
         self.max_streams = max_streams
         self._lock = threading.RLock()
+        self._writing = threading.Lock()
         self._subs: dict[str, Subscription] = {}
         self._deliverers: dict[str, Deliverer] = {}
         self._streams: set[EventStream] = set()
@@ -492,6 +498,9 @@ class EventService:
                 deliverer.put(record)
 
     # ---- subscriptions
+    #
+    # `_lock` guards the in-memory state and is never held across I/O (the publisher's thread takes it to dispatch);
+    # `_writing` orders the writes to the store, each of which is the whole list after one change.
 
     def subscriptions(self) -> list[Subscription]:
         self.ensure_loaded()
@@ -503,56 +512,73 @@ class EventService:
         with self._lock:
             return self._subs.get(sub_id)
 
+    def _store(self, change: Callable[[dict[str, Subscription]], None]) -> None:
+        """Apply `change` to a copy of the subscriptions, store the result, then make it the current state (on a
+        failure nothing changes)."""
+        with self._writing:
+            with self._lock:
+                subs = {k: Subscription(**asdict(v)) for k, v in self._subs.items()}
+            change(subs)
+            self.store.save(sorted(subs.values(), key=lambda s: s.id))
+            with self._lock:
+                for sub_id in list(self._subs):
+                    if sub_id not in subs:
+                        del self._subs[sub_id]
+                        deliverer = self._deliverers.pop(sub_id, None)
+                        if deliverer is not None:
+                            deliverer.stop()
+                for sub_id, sub in subs.items():
+                    current = self._subs.get(sub_id)
+                    if current is None:
+                        self._subs[sub_id] = sub
+                        if sub.state == "Enabled":
+                            self._deliverers[sub_id] = Deliverer(self, sub)
+                    else:  # the same object stays: its Deliverer holds it
+                        current.context, current.state = sub.context, sub.state
+                        if current.state != "Enabled":
+                            deliverer = self._deliverers.pop(sub_id, None)
+                            if deliverer is not None:
+                                deliverer.stop()
+
     def create(self, sub: Subscription) -> Subscription:
         self.ensure_loaded()
-        with self._lock:
-            if len(self._subs) >= MAX_SUBSCRIPTIONS:
+
+        def add(subs: dict[str, Subscription]) -> None:
+            if len(subs) >= MAX_SUBSCRIPTIONS:
                 raise TooMany(f"this BMC keeps at most {MAX_SUBSCRIPTIONS} subscriptions")
             sub.id = secrets.token_hex(4)
-            while sub.id in self._subs:
+            while sub.id in subs:
                 sub.id = secrets.token_hex(4)
-            self._subs[sub.id] = sub
-            try:
-                self._save()
-            except Exception:
-                del self._subs[sub.id]
-                raise
-            self._deliverers[sub.id] = Deliverer(self, sub)
+            subs[sub.id] = sub
+
+        self._store(add)
         log.info("eventservice: subscription %s to %s created", sub.id, sub.destination)
         return sub
 
     def delete(self, sub_id: str) -> bool:
         self.ensure_loaded()
-        with self._lock:
-            sub = self._subs.pop(sub_id, None)
-            if sub is None:
-                return False
-            try:
-                self._save()
-            except Exception:
-                self._subs[sub_id] = sub
-                raise
-            deliverer = self._deliverers.pop(sub_id, None)
-        if deliverer is not None:
-            deliverer.stop()
-        log.info("eventservice: subscription %s deleted", sub_id)
-        return True
+        found = False
+
+        def remove(subs: dict[str, Subscription]) -> None:
+            nonlocal found
+            found = subs.pop(sub_id, None) is not None
+
+        self._store(remove)
+        if found:
+            log.info("eventservice: subscription %s deleted", sub_id)
+        return found
 
     def update(self, sub_id: str, context: str) -> Subscription | None:
         """PATCH of Context (the one property a client may change; a suspended subscription is resumed by
         creating it again)."""
         self.ensure_loaded()
-        with self._lock:
-            sub = self._subs.get(sub_id)
-            if sub is None:
-                return None
-            before, sub.context = sub.context, context
-            try:
-                self._save()
-            except Exception:
-                sub.context = before
-                raise
-        return sub
+
+        def change(subs: dict[str, Subscription]) -> None:
+            if sub_id in subs:
+                subs[sub_id].context = context
+
+        self._store(change)
+        return self.get(sub_id)
 
     def delivery_failed(self, sub_id: str) -> None:
         """A destination that failed every retry: suspended or terminated by its DeliveryRetryPolicy (on the
@@ -560,25 +586,31 @@ class EventService:
         with self._lock:
             sub = self._subs.get(sub_id)
             deliverer = self._deliverers.pop(sub_id, None)
-            if sub is None:
-                return
-            if sub.retry_policy == "TerminateAfterRetries":
-                del self._subs[sub_id]
-                what = "terminated (deleted)"
-            else:
-                sub.state = "Disabled"
-                what = "suspended (Status.State Disabled)"
-            try:
-                self._save()
-            except Exception as exc:
-                log.error("eventservice: subscription %s: cannot store its new state: %s", sub_id, exc)
         if deliverer is not None:
             deliverer.stop()
+        if sub is None:
+            return
+        terminate = sub.retry_policy == "TerminateAfterRetries"
+
+        def change(subs: dict[str, Subscription]) -> None:
+            if terminate:
+                subs.pop(sub_id, None)
+            elif sub_id in subs:
+                subs[sub_id].state = "Disabled"
+
+        try:
+            self._store(change)
+        except Exception as exc:
+            # Not delivering either way; the stored state says Enabled until the next write succeeds.
+            log.error("eventservice: subscription %s: cannot store its new state: %s", sub_id, exc)
+            with self._lock:
+                if terminate:
+                    self._subs.pop(sub_id, None)
+                elif sub_id in self._subs:
+                    self._subs[sub_id].state = "Disabled"
+        what = "terminated (deleted)" if terminate else "suspended (Status.State Disabled)"
         log.warning("eventservice: subscription %s to %s %s after %d retries", sub_id, sub.destination, what,
                     self.retry_attempts)
-
-    def _save(self) -> None:
-        self.store.save(sorted(self._subs.values(), key=lambda s: s.id))
 
     # ---- SSE streams
 

@@ -4,6 +4,7 @@ the SSE stream at ServerSentEventUri. Delivery and the subscriptions' store are 
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -100,6 +101,14 @@ def blueprint(svc: Service) -> Blueprint:
         if severity not in ("OK", "Warning", "Critical"):
             raise RedfishError(400, "ActionParameterValueNotInList", severity, "Severity", action,
                                related="#/Severity")
+        stamp = parsed.EventTimestamp or ""
+        if stamp:
+            try:
+                datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+            except ValueError:
+                raise RedfishError(400, "ActionParameterValueFormatError", stamp, "EventTimestamp", action,
+                                   related="#/EventTimestamp",
+                                   detail="An ISO 8601 date and time is expected.") from None
         record = events.test_record(parsed.MessageId, parsed.Message or "Test event.", parsed.MessageArgs or [],
                                     severity, origin, parsed.EventId or "", parsed.EventTimestamp or "")
         events.submit_test(record)
