@@ -231,12 +231,13 @@ def test_submit_test_event_reaches_every_subscriber_as_given(agent: AgentProcess
         subscribe(agent, rx.url, Context="ctx")
         status, doc = agent.redfish("POST", SUBMIT, {
             "MessageId": "Base.1.19.Success", "Message": "hello", "MessageArgs": [], "MessageSeverity": "Warning",
-            "EventId": "t-1", "EventTimestamp": "2026-01-02T03:04:05Z"})
+            "EventId": "t-1", "EventTimestamp": "2026-01-02T03:04:05Z", "EventGroupId": 9})
         assert status == 204, doc
         wait_for(rx.records, what="the test event")
         [record] = rx.records()
         assert (record["MessageId"], record["Message"], record["MessageSeverity"], record["EventId"],
-                record["EventTimestamp"]) == ("Base.1.19.Success", "hello", "Warning", "t-1", "2026-01-02T03:04:05Z")
+                record["EventTimestamp"], record["EventGroupId"]) == (
+            "Base.1.19.Success", "hello", "Warning", "t-1", "2026-01-02T03:04:05Z", 9)
         status, doc = agent.redfish("POST", SUBMIT, {"MessageId": "Base.1.19.Success", "EventTimestamp": "noon"})
         assert status == 400 and doc["error"]["@Message.ExtendedInfo"][0]["MessageId"].endswith(
             "ActionParameterValueFormatError")

@@ -73,16 +73,20 @@ class Record:
     origin: str  # @odata.id of the OriginOfCondition
     resource_type: str  # schema name of the origin
     seq: int = 0  # the bus's number: the SSE id
+    group_id: int | None = None  # EventGroupId, from SubmitTestEvent only
 
     @property
     def registry_prefix(self) -> str:
         return self.message_id.split(".", 1)[0]
 
     def entry(self) -> dict[str, Any]:
-        return {"EventId": self.event_id, "EventTimestamp": self.timestamp, "MemberId": "0",
+        entry: dict[str, Any] = {"EventId": self.event_id, "EventTimestamp": self.timestamp, "MemberId": "0",
                 "MessageId": self.message_id, "Message": self.message, "MessageArgs": list(self.args),
                 "MessageSeverity": self.severity, "Severity": self.severity,
                 "OriginOfCondition": {"@odata.id": self.origin}}
+        if self.group_id is not None:
+            entry["EventGroupId"] = self.group_id
+        return entry
 
 
 def iso_timestamp(epoch: float) -> str:
@@ -482,11 +486,11 @@ class EventService:
             stream.offer(record)
 
     def test_record(self, message_id: str, message: str, args: list[str], severity: str, origin: str,
-                    event_id: str, timestamp: str) -> Record:
+                    event_id: str, timestamp: str, group_id: int | None = None) -> Record:
         """A SubmitTestEvent record: what the client gave, the rest filled in."""
         return Record(event_id or f"test-{secrets.token_hex(4)}", timestamp or iso_timestamp(time.time()),
                       message_id, message, tuple(args), severity, origin or self.system,
-                      "VirtualMedia" if origin.startswith(self.media_base) else "ComputerSystem")
+                      "VirtualMedia" if origin.startswith(self.media_base) else "ComputerSystem", 0, group_id)
 
     def submit_test(self, record: Record) -> None:
         """SubmitTestEvent: to every enabled subscription whose filters pass it (not to SSE streams: the bus

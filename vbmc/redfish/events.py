@@ -110,7 +110,7 @@ def blueprint(svc: Service) -> Blueprint:
                                    related="#/EventTimestamp",
                                    detail="An ISO 8601 date and time is expected.") from None
         record = events.test_record(parsed.MessageId, parsed.Message or "Test event.", parsed.MessageArgs or [],
-                                    severity, origin, parsed.EventId or "", parsed.EventTimestamp or "")
+                                    severity, origin, parsed.EventId or "", stamp, parsed.EventGroupId)
         events.submit_test(record)
         return svc.no_content()
 
