@@ -19,6 +19,7 @@ import pytest
 from kubernetes import client
 
 from controller import desired
+from controller.kubeapi import APPLY
 from vbmc.events import Event, EventBus
 from vbmc.eventservice import QUEUE_LENGTH, SECRET_KEY, EventService, Subscription, event_record, iso_timestamp
 from vbmc.redfish.errors import RedfishError
@@ -536,3 +537,18 @@ def test_a_slow_destination_gets_a_bounded_queue_that_drops_the_oldest(caplog: p
         ids = [int(r["EventId"]) for r in rx.records()]
         assert len(ids) <= QUEUE_LENGTH + 1 and ids == sorted(ids)
     service.close()
+
+
+def test_applying_the_events_secret_again_keeps_what_the_agent_wrote(api: client.ApiClient, namespace: str) -> None:
+    bmc = {"metadata": {"name": "vm", "namespace": namespace, "uid": "u"}}
+    want = desired.desired_events_secret(bmc, "vm")
+    del want["metadata"]["ownerReferences"]
+    path = f"/api/v1/namespaces/{namespace}/secrets/{want['metadata']['name']}"
+    query = {"fieldManager": "kubevbmc-controller", "force": "true"}
+    assert call(api, "PATCH", path, want, content_type=APPLY, query=query).status == 201
+    secret = call(api, "GET", path).body
+    secret["data"] = {SECRET_KEY: base64.b64encode(b"[]").decode()}
+    assert call(api, "PUT", path, secret).status == 200  # the agent's write (an update)
+    want["metadata"]["labels"]["extra"] = "label"  # a change, so that the apply writes
+    assert call(api, "PATCH", path, want, content_type=APPLY, query=query).status == 200
+    assert call(api, "GET", path).body["data"] == {SECRET_KEY: base64.b64encode(b"[]").decode()}
