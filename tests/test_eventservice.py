@@ -552,3 +552,17 @@ def test_applying_the_events_secret_again_keeps_what_the_agent_wrote(api: client
     want["metadata"]["labels"]["extra"] = "label"  # a change, so that the apply writes
     assert call(api, "PATCH", path, want, content_type=APPLY, query=query).status == 200
     assert call(api, "GET", path).body["data"] == {SECRET_KEY: base64.b64encode(b"[]").decode()}
+
+
+def test_an_sse_id_from_before_a_restart_replays_the_whole_history() -> None:
+    bus = EventBus()
+    service = EventService(bus, system="/redfish/v1/Systems/vm1", system_name="vm1", media_base=MEDIA)
+    service.start()
+    for to in ("On", "Off", "On"):
+        bus.publish("PowerStateChanged", "m", to=to)
+    stream = service.open_stream([], [], [], 500)
+    assert stream is not None
+    assert [f.split(b"\n", 1)[0] for f in stream.drain()] == [b"id: 1", b"id: 2", b"id: 3"]
+    stream.close()
+    assert service.open_streams == 0
+    service.close()

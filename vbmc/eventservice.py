@@ -630,6 +630,8 @@ class EventService:
             # Under the lock: an event published from now on is dispatched after these, and one already in the
             # history is offered twice at most, the second time dropped (the stream skips ids it has sent).
             if last_event_id is not None:
+                if last_event_id > self.bus.last_seq:
+                    last_event_id = 0  # an id from before this process started (ids restart at 1): replay all
                 for event in self.bus.since(last_event_id):
                     record = self.record_of(event)
                     if record is not None:
