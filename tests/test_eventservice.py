@@ -21,7 +21,15 @@ from kubernetes import client
 from controller import desired
 from controller.kubeapi import APPLY
 from vbmc.events import Event, EventBus
-from vbmc.eventservice import QUEUE_LENGTH, SECRET_KEY, EventService, Subscription, event_record, iso_timestamp
+from vbmc.eventservice import (
+    QUEUE_LENGTH,
+    SECRET_KEY,
+    EventService,
+    Subscription,
+    event_record,
+    iso_timestamp,
+    retry_delay,
+)
 from vbmc.redfish.errors import RedfishError
 from vbmc.redfish.events import parse_filter
 
@@ -566,3 +574,26 @@ def test_an_sse_id_from_before_a_restart_replays_the_whole_history() -> None:
     stream.close()
     assert service.open_streams == 0
     service.close()
+
+
+@pytest.mark.parametrize(("policy", "delays"), [
+    ("SuspendRetries", [10, 10, 10]),
+    ("RetryForever", [10, 10, 10, 10, 10, 10]),
+    ("RetryForeverWithBackoff", [10, 10, 10, 20, 40, 80]),
+])
+def test_retry_delays_follow_the_policy(policy: str, delays: list[float]) -> None:
+    assert [retry_delay(policy, n, 3, 10) for n in range(1, len(delays) + 1)] == delays
+    assert retry_delay("RetryForeverWithBackoff", 100, 3, 10) == 3600
+
+
+def test_a_retry_forever_destination_gets_the_event_once_it_answers(agent: AgentProcess) -> None:
+    agent.redfish("PATCH", EVENT_SERVICE, {"DeliveryRetryAttempts": 0, "DeliveryRetryIntervalSeconds": 1})
+    with receiver(status=500) as rx:
+        sub = subscribe(agent, rx.url, DeliveryRetryPolicy="RetryForever")
+        power(agent, "On")
+        wait_for(lambda: len(rx.records()) >= 2, what="a retry past DeliveryRetryAttempts")
+        rx.status = 204
+        count = len(rx.records())
+        wait_for(lambda: len(rx.records()) > count, what="the delivery that succeeds")
+        assert set(rx.message_ids()) == {POWERED_ON}
+        assert agent.redfish("GET", sub["@odata.id"])[1]["Status"]["State"] == "Enabled"

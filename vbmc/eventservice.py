@@ -9,7 +9,8 @@ matching subscription's bounded queue (the oldest is dropped, with a log line, w
 each subscription has its own thread that POSTs, retrying `DeliveryRetryAttempts` times `DeliveryRetryIntervalSeconds`
 apart. When the retries are used up the subscription is suspended (DeliveryRetryPolicy SuspendRetries, the default
 here: `Status.State` Disabled, its queue emptied, nothing more sent; a client resumes by subscribing again) or deleted
-(TerminateAfterRetries), as DSP0266 and the EventDestination schema say.
+(TerminateAfterRetries), as DSP0266 and the EventDestination schema say; RetryForever keeps retrying at that interval,
+RetryForeverWithBackoff doubles it after the retries, up to an hour (the queue still bounds what waits).
 
 SSE: each `EventStream` is a bounded queue fed the same way; the server (vbmc/redfish/server.py) writes it out.
 
@@ -46,6 +47,9 @@ MAX_STREAMS = 4  # each open SSE stream holds a connection and a queue
 QUEUE_LENGTH = 128  # records waiting per destination or stream; the oldest goes first
 POST_TIMEOUT = 5.0
 SECRET_KEY = "subscriptions.json"
+RETRY_POLICIES = ("SuspendRetries", "TerminateAfterRetries", "RetryForever", "RetryForeverWithBackoff")
+FOREVER_POLICIES = ("RetryForever", "RetryForeverWithBackoff")
+MAX_BACKOFF = 3600.0  # seconds: RetryForeverWithBackoff's longest wait
 SSE_ENVIRON = "vbmc.sse"  # where the SSE route leaves its stream for the server (vbmc/redfish/server.py)
 
 _POWER_MESSAGES = {
@@ -131,7 +135,7 @@ class Subscription:
     origin_resources: list[str] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
     verify_certificate: bool = True
-    retry_policy: str = "SuspendRetries"  # or TerminateAfterRetries
+    retry_policy: str = "SuspendRetries"  # one of RETRY_POLICIES
     state: str = "Enabled"  # Disabled: suspended after its retries were used up
 
     def matches(self, record: Record) -> bool:
@@ -288,15 +292,13 @@ class Deliverer:
         self._pool.clear()
 
     def _deliver(self, record: Record) -> bool:
+        """POST one Event until it is taken; False when the retries allowed by the policy are used up."""
         sub, service = self.subscription, self.service
         body = payload(record, sub.context)
         headers = {**sub.headers, "Content-Type": "application/json"}
-        for attempt in range(service.retry_attempts + 1):
-            if attempt:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._stopped, timeout=service.retry_interval)
-                    if self._stopped:
-                        return True
+        forever = sub.retry_policy in FOREVER_POLICIES
+        attempt = 0
+        while True:
             try:
                 resp = self._pool.request("POST", sub.destination, body=body, headers=headers,
                                           timeout=urllib3.Timeout(total=POST_TIMEOUT), redirect=False)
@@ -305,9 +307,27 @@ class Deliverer:
                 problem = f"HTTP {resp.status}"
             except Exception as exc:  # urllib3 errors, TLS verification failures: all a failed attempt
                 problem = " ".join(str(exc).split())[:200]
-            log.warning("eventservice: subscription %s: event %s to %s failed (attempt %d of %d): %s", sub.id,
-                        record.event_id, sub.destination, attempt + 1, service.retry_attempts + 1, problem)
-        return False
+            attempt += 1
+            allowed = service.retry_attempts + 1
+            if attempt <= allowed or attempt % 10 == 0:  # a policy that retries forever logs every tenth
+                log.warning("eventservice: subscription %s: event %s to %s failed (attempt %d%s): %s", sub.id,
+                            record.event_id, sub.destination, attempt, "" if forever else f" of {allowed}",
+                            problem)
+            if not forever and attempt >= allowed:
+                return False
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopped, timeout=retry_delay(
+                    sub.retry_policy, attempt, service.retry_attempts, service.retry_interval))
+                if self._stopped:
+                    return True
+
+
+def retry_delay(policy: str, failures: int, attempts: int, interval: float) -> float:
+    """Seconds before the next attempt after `failures` failed ones: DeliveryRetryIntervalSeconds, except that
+    RetryForeverWithBackoff doubles it after each failure past DeliveryRetryAttempts, up to MAX_BACKOFF."""
+    if policy != "RetryForeverWithBackoff" or failures <= attempts:
+        return interval
+    return float(min(interval * 2 ** min(failures - attempts, 20), MAX_BACKOFF))
 
 
 # ---- SSE

@@ -77,7 +77,8 @@ class SubscriptionCreate(_Body):
     VerifyCertificate: bool = True
     SubscriptionType: Literal["RedfishEvent"] | None = None
     EventFormatType: Literal["Event"] | None = None
-    DeliveryRetryPolicy: Literal["SuspendRetries", "TerminateAfterRetries"] | None = None
+    DeliveryRetryPolicy: Literal["SuspendRetries", "TerminateAfterRetries", "RetryForever",
+                                 "RetryForeverWithBackoff"] | None = None
 
 
 class SubscriptionPatch(_Body):
