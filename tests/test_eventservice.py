@@ -597,3 +597,19 @@ def test_a_retry_forever_destination_gets_the_event_once_it_answers(agent: Agent
         wait_for(lambda: len(rx.records()) > count, what="the delivery that succeeds")
         assert set(rx.message_ids()) == {POWERED_ON}
         assert agent.redfish("GET", sub["@odata.id"])[1]["Status"]["State"] == "Enabled"
+
+
+def test_until_the_subscriptions_secret_can_be_read_subscribing_is_503(sim: Sim, api: client.ApiClient,
+                                                                      namespace: str, bmc_crd: None) -> None:
+    name = desired.events_secret_name("vm")
+    with agent_for_vm(sim, api, namespace, "--subscriptions-secret", name) as agent:
+        body = {"Destination": "http://listener.example.com/events", "Protocol": "Redfish"}
+        status, doc = agent.redfish("POST", SUBSCRIPTIONS, body)
+        assert status == 503 and doc["error"]["@Message.ExtendedInfo"][0]["MessageId"].endswith(
+            "ServiceTemporarilyUnavailable")
+        secret = desired.desired_events_secret({"metadata": {"name": "vm", "namespace": namespace, "uid": "u"}},
+                                               "vm")
+        del secret["metadata"]["ownerReferences"]
+        assert call(api, "POST", f"/api/v1/namespaces/{namespace}/secrets", secret).status == 201
+        wait_for(lambda: agent.redfish("GET", SUBSCRIPTIONS)[0] == 200, what="the Secret to be read")
+        assert agent.redfish("POST", SUBSCRIPTIONS, body)[0] == 201

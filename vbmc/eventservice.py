@@ -436,6 +436,7 @@ class EventService:
         self._streams: set[EventStream] = set()
         self._unsubscribe: Callable[[], None] | None = None
         self._loaded = False
+        self._load_failures = 0
         self._closed = threading.Event()
 
     def start(self) -> None:
@@ -455,7 +456,10 @@ class EventService:
         try:
             subs = self.store.load()
         except Exception as exc:
-            log.warning("eventservice: cannot read the subscriptions yet: %s", exc)
+            self._load_failures += 1
+            if self._load_failures % 30 == 1:  # the first failure, then one line a minute from the retry loop
+                log.warning("eventservice: cannot read the subscriptions yet (%d attempts): %s", self._load_failures,
+                            exc)
             return False
         with self._lock:
             if self._loaded:
