@@ -20,6 +20,7 @@ the controller creates for the BMC (HttpHeaders may carry credentials), so they 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import secrets
@@ -363,8 +364,7 @@ class EventStream:
             self._queue.append(self.frame(record))
             self._cond.notify()
             waker = self._waker
-        if waker is not None:
-            waker()
+        self._wake(waker)
 
     @staticmethod
     def frame(record: Record) -> bytes:
@@ -392,7 +392,13 @@ class EventStream:
             self._cond.notify_all()
             waker = self._waker
         self.service.stream_closed(self)
-        if waker is not None:
+        self._wake(waker)
+
+    @staticmethod
+    def _wake(waker: Callable[[], None] | None) -> None:
+        if waker is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the server's event loop has closed (shutdown): nobody to wake
             waker()
 
     def __iter__(self) -> Iterator[bytes]:
