@@ -385,10 +385,12 @@ def test_sse_streams_are_capped_and_a_closed_one_frees_its_place(agent: AgentPro
 
 def test_subscriptions_survive_an_agent_restart(sim: Sim, api: client.ApiClient, namespace: str,
                                                 bmc_crd: None) -> None:
-    name = desired.events_secret_name("vm")
+    # Not the controller's name for it, so that a controller running in this session leaves it alone.
+    name = "subscriptions-for-restart"
     bmc = {"metadata": {"name": "vm", "namespace": namespace, "uid": "u"}}
     secret = desired.desired_events_secret(bmc, "vm")
     del secret["metadata"]["ownerReferences"]  # no VirtualMachineBMC object behind this test's owner
+    secret["metadata"]["name"] = name
     assert call(api, "POST", f"/api/v1/namespaces/{namespace}/secrets", secret).status == 201
     with receiver() as rx, agent_for_vm(sim, api, namespace, "--subscriptions-secret", name) as first:
         sub = subscribe(first, rx.url, Context="keep me", HttpHeaders=[{"Authorization": "Bearer x"}])
@@ -601,7 +603,8 @@ def test_a_retry_forever_destination_gets_the_event_once_it_answers(agent: Agent
 
 def test_until_the_subscriptions_secret_can_be_read_subscribing_is_503(sim: Sim, api: client.ApiClient,
                                                                       namespace: str, bmc_crd: None) -> None:
-    name = desired.events_secret_name("vm")
+    # Not the controller's name for it: a controller running in this session would create that one at once.
+    name = "subscriptions-made-later"
     with agent_for_vm(sim, api, namespace, "--subscriptions-secret", name) as agent:
         body = {"Destination": "http://listener.example.com/events", "Protocol": "Redfish"}
         status, doc = agent.redfish("POST", SUBSCRIPTIONS, body)
@@ -610,6 +613,7 @@ def test_until_the_subscriptions_secret_can_be_read_subscribing_is_503(sim: Sim,
         secret = desired.desired_events_secret({"metadata": {"name": "vm", "namespace": namespace, "uid": "u"}},
                                                "vm")
         del secret["metadata"]["ownerReferences"]
+        secret["metadata"]["name"] = name
         assert call(api, "POST", f"/api/v1/namespaces/{namespace}/secrets", secret).status == 201
         wait_for(lambda: agent.redfish("GET", SUBSCRIPTIONS)[0] == 200, what="the Secret to be read")
         assert agent.redfish("POST", SUBSCRIPTIONS, body)[0] == 201
