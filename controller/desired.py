@@ -63,6 +63,12 @@ def tls_secret_name(vm: str) -> str:
     return child_name(vm) + "-tls"
 
 
+def events_secret_name(vm: str) -> str:
+    """The Secret the agent keeps its Redfish event subscriptions in (vbmc/eventservice.py, SecretStore): created
+    empty by the controller, written by the agent only."""
+    return child_name(vm) + "-events"
+
+
 def label_value(name: str) -> str:
     """`name` as a label value (at most 63 characters): itself when it fits, else cut with a short hash of the
     whole of it, so that long VirtualMachine and VirtualMachineBMC names still select and label their objects."""
@@ -136,6 +142,8 @@ def desired_role(bmc: Obj, vm: str, cdroms: list[str]) -> Obj:
          "verbs": ["get", "patch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [events_secret_name(vm)],
+         "verbs": ["get", "update", "patch"]},
     ]
     if dvs:
         rules.append({"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "resourceNames": dvs,
@@ -177,6 +185,14 @@ def desired_tls_secret(bmc: Obj, vm: str, material: TLSMaterial) -> Obj:
                      "ca.crt": b64(material.ca_pem)}}
 
 
+def desired_events_secret(bmc: Obj, vm: str) -> Obj:
+    """The Secret for the agent's event subscriptions, applied without data: the agent writes the data (an
+    update, another field manager), so applying this again never takes it away; owned by the VirtualMachineBMC,
+    it goes away with it."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(bmc, events_secret_name(vm), vm),
+            "type": "Opaque"}
+
+
 def desired_ca_secret(bmc: Obj, vm: str, ca: KeyPair) -> Obj:
     """The CA's Secret, in the `kubernetes.io/tls` layout a cert-manager CA Issuer reads: tls.crt is the CA."""
     return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(bmc, ca_secret_name(vm), vm),
@@ -216,6 +232,8 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
             "--redfish-address", f"$(POD_IP):{HTTP_PORT}", "--log-level", settings.agent_log_level]
     if not spec.redfish.enabled:
         args += ["--redfish", "false"]  # the HTTP listener then serves the probes only
+    else:
+        args += ["--subscriptions-secret", events_secret_name(vm)]
     ports: list[Obj] = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     if spec.ipmi.enabled:
         ports.insert(0, {"name": "ipmi", "containerPort": IPMI_PORT, "protocol": "UDP"})

@@ -245,6 +245,8 @@ class Reconciler:
         self._apply(bmc, desired.desired_role_binding(bmc, vm_name), created)
         service = self._apply(bmc, desired.desired_service(bmc, vm_name, self.settings.default_service_type),
                               created)
+        if spec.redfish.enabled:
+            self._apply(bmc, desired.desired_events_secret(bmc, vm_name), created)
         if vm is None or problem is not None:
             why = "the VirtualMachine is missing" if vm is None else (problem or ("", ""))[1]
             self._remove_agent(bmc, vm_name, why)

@@ -129,8 +129,8 @@ def test_deleting_the_bmc_garbage_collects_its_children(api: client.ApiClient, n
     make_secret(api, namespace)
     apply_bmc(api, namespace)
     wait_for(lambda: is_ready(api, namespace), timeout=30, what="Ready")
-    # ServiceAccount, Role, RoleBinding, Service, TLS Secret, CA Secret, Deployment, and the BMC itself
-    assert len(children(api, namespace)) == 8
+    # ServiceAccount, Role, RoleBinding, Service, TLS Secret, CA Secret, events Secret, Deployment, and the BMC
+    assert len(children(api, namespace)) == 9
     assert call(api, "DELETE", f"{BMCS.format(ns=namespace)}/vm").status == 200
     wait_for(lambda: not children(api, namespace), timeout=20, what="the children gone")
     wait_for(lambda: not agent_pod_uids(api, namespace, "vm"), timeout=20, what="the agent pod gone")

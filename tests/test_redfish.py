@@ -220,6 +220,11 @@ def run_validator(args: list[str], logdir: Path) -> Report:
 def service_validator(shared_service: Service, tmp_path_factory: pytest.TempPathFactory) -> Report:
     assert CSDL.is_dir(), f"the DMTF schema bundle is missing: {CSDL}"
     logdir = tmp_path_factory.mktemp("service-validator")
+    # One subscription, so that an EventDestination is validated too (nothing is sent: the validator changes nothing).
+    subscribed = shared_service.request("POST", "/redfish/v1/EventService/Subscriptions", json={
+        "Destination": "http://127.0.0.1:9/events", "Protocol": "Redfish", "Context": "validator",
+        "RegistryPrefixes": ["ResourceEvent"], "OriginResources": [{"@odata.id": SYSTEM}]})
+    assert subscribed.status_code == 201, subscribed.text
     return run_validator([str(BIN / "rf_service_validator"), "--ip", shared_service.url, "-u", USER, "-p",
                           PASSWORD, "--authtype", "Session", "--schema_directory", str(CSDL), "--skipschema",
                           "--logdir", str(logdir)], logdir)
@@ -237,7 +242,8 @@ def test_service_validator_reports_no_failures(service_validator: Report) -> Non
     assert service_validator.failed == 0, re.findall(r"FAIL - .*", service_validator.log)
     assert service_validator.passed > 300
     for resource in (SYSTEM, CD, "/redfish/v1/SessionService/Sessions", "/redfish/v1/AccountService/Roles",
-                     "/redfish/v1/Chassis/vm1/Drives/rootdisk", "/redfish/v1/Managers/BMC/NetworkProtocol"):
+                     "/redfish/v1/Chassis/vm1/Drives/rootdisk", "/redfish/v1/Managers/BMC/NetworkProtocol",
+                     "/redfish/v1/EventService", "/redfish/v1/EventService/Subscriptions/"):
         assert f"Validating {resource}" in service_validator.output, f"{resource} was not reached"
     # The only warnings: the Manager's VirtualMedia is deprecated (kept for sushy and older Ironic).
     warnings = re.findall(r"WARN - (/\S+)", service_validator.log)

@@ -45,6 +45,8 @@ class AgentConfig:
     tls_key: str = ""
     kubeconfig: str = ""
     threads: int = 2
+    subscriptions_secret: str = ""  # where Redfish event subscriptions are kept; empty: in memory
+    event_ca_file: str = ""  # CA certificates, besides the system's, for HTTPS event destinations
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redfish-tls-address", default=env("VBMC_REDFISH_TLS_ADDRESS", ""), metavar="HOST:PORT")
     parser.add_argument("--tls-cert", default=env("VBMC_TLS_CERT", ""), metavar="FILE")
     parser.add_argument("--tls-key", default=env("VBMC_TLS_KEY", ""), metavar="FILE")
+    parser.add_argument("--subscriptions-secret", default=env("VBMC_SUBSCRIPTIONS_SECRET", ""), metavar="NAME",
+                        help="the Secret (in --namespace) that keeps the Redfish event subscriptions, so that they "
+                             "outlive the process; empty: in memory (the controller passes its own)")
+    parser.add_argument("--event-ca-file", default=env("VBMC_EVENT_CA_FILE", ""), metavar="FILE",
+                        help="CA certificates trusted, besides the system's, for HTTPS event destinations")
     parser.add_argument("--backend", choices=("kubevirt", "memory"), default=env("VBMC_BACKEND", "kubevirt"),
                         help="memory: an in-memory machine, no cluster (protocol tests and benchmarks)")
     parser.add_argument("--kubeconfig", default="", help="default: $KUBECONFIG, else in-cluster")
@@ -88,7 +95,9 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
         problems.append("--redfish-tls-address serves Redfish: it cannot go with --redfish false")
     if args.redfish_tls_address and not (args.tls_cert and args.tls_key):
         problems.append("--redfish-tls-address needs --tls-cert and --tls-key")
-    for path in (args.tls_cert, args.tls_key):
+    if args.subscriptions_secret and args.backend != "kubevirt":
+        problems.append("--subscriptions-secret needs the kubevirt backend")
+    for path in (args.tls_cert, args.tls_key, args.event_ca_file):
         if path and not os.path.exists(path):
             problems.append(f"{path} does not exist")
     if problems:
@@ -98,7 +107,8 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
                        redfish_address=args.redfish_address, redfish=args.redfish != "false",
                        redfish_tls_address=args.redfish_tls_address,
                        tls_cert=args.tls_cert, tls_key=args.tls_key, kubeconfig=args.kubeconfig,
-                       threads=args.threads)
+                       threads=args.threads, subscriptions_secret=args.subscriptions_secret,
+                       event_ca_file=args.event_ca_file)
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -113,6 +123,8 @@ class Agent:
         self.config = config
         self.machine: Machine | None = None
         self.ipmi: Any = None
+        self.events: Any = None  # the Redfish EventService, once the app is built
+        self.kube: Any = None  # the kubevirt backend's API client
         self._stop = threading.Event()
         self._ipmi_failed = ""
         # One budget of failed logins per source address over IPMI and Redfish.
@@ -143,7 +155,7 @@ class Agent:
 
         # Connections at once: three watch streams, their three probes (vbmc/watchcache.py) and a write. A smaller
         # pool would open a new TLS connection for a probe and throw it away afterwards, every few seconds.
-        client = KubeClient(load_credentials(c.kubeconfig or None), maxsize=8)
+        client = self.kube = KubeClient(load_credentials(c.kubeconfig or None), maxsize=8)
         machine = KubeVirtMachine(client, c.namespace, c.vm, c.vmbmc)
         machine.start()
         if not machine.wait_ready(10):
@@ -168,8 +180,14 @@ class Agent:
         if not c.redfish:
             return _Metrics(_no_redfish, self.throttle.metrics)
         bmc_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"kubevbmc:{c.namespace}/{c.vm}"))
+        store = None
+        if c.subscriptions_secret:
+            from .eventservice import SecretStore
+
+            store = SecretStore(self.kube, c.namespace, c.subscriptions_secret)
         app = create_app(self.machine, c.username, c.password, system_id=c.vm, bmc_uuid=bmc_uuid,
-                         throttle=self.throttle)
+                         throttle=self.throttle, subscriptions=store, event_ca_file=c.event_ca_file)
+        self.events = app.extensions["vbmc.events"]
         app.wsgi_app = _Metrics(app.wsgi_app, self.throttle.metrics)
         return app
 
@@ -204,6 +222,8 @@ class Agent:
         self._stop.set()
         if self.ipmi is not None:
             self.ipmi.stop()
+        if self.events is not None:
+            self.events.close()
         stop: Callable[[], None] | None = getattr(self.machine, "stop", None)
         if stop is not None:
             stop()

@@ -4,7 +4,8 @@
 - `accounts`: authentication of every request, SessionService and sessions, AccountService;
 - `systems`: the ComputerSystem, Reset, boot override and the inventory under it;
 - `managers`: the Manager, its NetworkProtocol, the Chassis and its Drives;
-- `media`: virtual media (from the Manager and from the System).
+- `media`: virtual media (from the Manager and from the System);
+- `events`: the EventService, its subscriptions, SubmitTestEvent and the SSE stream.
 This module holds what is not a resource family: the service root and OData documents, error rendering, and the
 audit line per action. Rendering lives in `resources`, request bodies in `payloads`, error bodies in `errors`."""
 
@@ -22,9 +23,10 @@ from flask import Blueprint, Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from .. import audit
+from ..eventservice import EventService, SubscriptionStore
 from ..machine import BackendUnavailable, Machine, MachineError, Unsupported
 from ..throttle import LoginThrottle
-from . import accounts, managers, media, resources, systems
+from . import accounts, events, managers, media, resources, systems
 from .errors import RedfishError, not_found
 from .resources import ROOT, Ids
 from .service import JSON_TYPE, ODATA_HEADERS, Service
@@ -41,7 +43,7 @@ except Exception:  # not installed as a distribution (a source checkout): still 
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 DEFAULT_PORTS = {"HTTP": 80, "HTTPS": 443, "IPMI": 623}  # what the agent's Service exposes (DESIGN.md 5)
-FAMILIES = (accounts, systems, managers, media)
+FAMILIES = (accounts, systems, managers, media, events)
 
 
 def create_app(machine: Machine, username: str, password: str, *, system_id: str | None = None,
@@ -49,14 +51,17 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
                clock: Callable[[], float] = time.monotonic, version: str = VERSION,
                ports: Mapping[str, int] | None = None, host_name: str | None = None,
                fqdn: str | None = None, bmc_uuid: str | None = None,
-               throttle: LoginThrottle | None = None) -> Flask:
+               throttle: LoginThrottle | None = None, subscriptions: SubscriptionStore | None = None,
+               event_ca_file: str = "") -> Flask:
     """A Redfish service for one machine, with one account (`username`/`password`, HTTP Basic or sessions).
 
     `system_id` defaults to the machine's name (stable for a VM); `session_timeout` is the inactivity timeout
     in seconds; `clock` is injectable so that tests can expire sessions without waiting. `ports` are the
     ports clients reach the BMC on (the Service's), shown in the Manager's NetworkProtocol. `bmc_uuid` seeds
     the service and manager UUIDs (default: the machine's UUID). `throttle` slows password guessing per source
-    address (vbmc/throttle.py); the agent shares one with its IPMI server."""
+    address (vbmc/throttle.py); the agent shares one with its IPMI server. `subscriptions` keeps the
+    EventService's subscriptions (default: in memory; the agent's is a Secret); `event_ca_file` adds CA
+    certificates to the system's for HTTPS event destinations."""
     if system_id is None or bmc_uuid is None:
         # Without both, the machine must answer now; the agent passes both so it can start before its VM exists.
         inventory = machine.inventory()
@@ -72,6 +77,10 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         version=version, ports=dict(DEFAULT_PORTS if ports is None else ports),
         host_name=host_name or socket.gethostname(), fqdn=fqdn, service_uuid=resources.service_uuid(bmc_uuid),
         manager_uuid=resources.manager_uuid(bmc_uuid), session_timeout=session_timeout)
+    ids = svc.ids
+    svc.events = EventService(machine.events, system=ids.system, system_name=ids.system_id,
+                              media_base=f"{ids.manager}/VirtualMedia", store=subscriptions, ca_file=event_ca_file)
+    svc.events.start()
 
     app = Flask("vbmc.redfish")
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
@@ -82,6 +91,7 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         app.register_blueprint(family.blueprint(svc))
     app.extensions["vbmc.sessions"] = svc.store
     app.extensions["vbmc.service"] = svc
+    app.extensions["vbmc.events"] = svc.events
     return app
 
 

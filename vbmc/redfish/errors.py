@@ -99,6 +99,14 @@ MESSAGES: Mapping[str, tuple[str, str, str]] = {
     "ServiceDisabled": (
         "The operation failed because the service at %1 is disabled and cannot accept requests.", "Warning",
         "Enable the service and resubmit the request if the operation failed."),
+    "QueryParameterValueFormatError": (
+        "The value '%1' for the parameter %2 is of a different format than the parameter can accept.",
+        "Warning", "Correct the value for the query parameter in the request and resubmit the request if the operation "
+        "failed."),
+    "CreateLimitReachedForResource": (
+        "The create operation failed because the resource has reached the limit of possible resources.",
+        "Critical", "Either delete resources and resubmit the request if the operation failed or do not resubmit "
+        "the request."),
     "Created": ("The resource was created successfully.", "OK", "None."),
 }
 

@@ -62,6 +62,46 @@ class SessionCreate(_Body):
     Context: str | None = Field(default=None)
 
 
+class OdataLink(_Body):
+    odata_id: str = Field(alias="@odata.id")
+
+
+class SubscriptionCreate(_Body):
+    Destination: str
+    Protocol: Literal["Redfish"]
+    Context: str = ""
+    RegistryPrefixes: list[str] | None = None
+    ResourceTypes: list[str] | None = None
+    OriginResources: list[OdataLink] | None = None
+    HttpHeaders: list[dict[str, str]] | None = None
+    VerifyCertificate: bool = True
+    SubscriptionType: Literal["RedfishEvent"] | None = None
+    EventFormatType: Literal["Event"] | None = None
+    DeliveryRetryPolicy: Literal["SuspendRetries", "TerminateAfterRetries", "RetryForever",
+                                 "RetryForeverWithBackoff"] | None = None
+
+
+class SubscriptionPatch(_Body):
+    Context: str | None = None
+
+
+class EventServicePatch(_Body):
+    DeliveryRetryAttempts: int | None = None
+    DeliveryRetryIntervalSeconds: int | None = None
+
+
+class SubmitTestEventAction(_Body):
+    MessageId: str
+    Message: str | None = None
+    MessageArgs: list[str] | None = None
+    MessageSeverity: Literal["OK", "Warning", "Critical"] | None = None
+    Severity: str | None = None  # deprecated: MessageSeverity
+    OriginOfCondition: str | None = None
+    EventId: str | None = None
+    EventTimestamp: str | None = None
+    EventGroupId: int | None = None
+
+
 # No request body this service accepts nests deeper than 4 levels; 32 leaves room for Oem blocks and keeps the
 # parser (recursive in CPython) and the error rendering far from the interpreter's recursion limit.
 MAX_DEPTH = 32

@@ -47,11 +47,14 @@ SCHEMAS: dict[str, str] = {
     "Storage": "v1_21_0",
     "Drive": "v1_22_0",
     "ManagerNetworkProtocol": "v1_12_0",
+    "EventService": "v1_12_0",
+    "EventDestination": "v1_16_0",
+    "Event": "v1_13_0",
 }
 COLLECTIONS = ("ComputerSystemCollection", "ManagerCollection", "ChassisCollection", "VirtualMediaCollection",
                "SessionCollection", "ManagerAccountCollection", "RoleCollection", "EthernetInterfaceCollection",
                "ProcessorCollection", "MemoryCollection", "SimpleStorageCollection", "StorageCollection",
-               "DriveCollection")
+               "DriveCollection", "EventDestinationCollection")
 # Referenced by the schemas above (annotations, shared types); $metadata lists them too.
 SUPPORT_SCHEMAS = ("Resource", "RedfishExtensions", "Message", "Privileges")
 
@@ -61,6 +64,10 @@ ROLES: dict[str, tuple[str, ...]] = {
     "ReadOnly": ("Login", "ConfigureSelf"),
 }
 ACCOUNT_ID = "1"
+EVENT_SERVICE = f"{ROOT}/EventService"
+SUBSCRIPTIONS = f"{EVENT_SERVICE}/Subscriptions"
+SSE_URI = f"{EVENT_SERVICE}/SSE"
+SUBMIT_TEST_EVENT = f"{EVENT_SERVICE}/Actions/EventService.SubmitTestEvent"
 STORAGE_ID = "1"
 
 
@@ -160,6 +167,7 @@ def service_root(ids: Ids, uuid: str, product: str, version: str) -> dict[str, A
         "Chassis": link(ids.chassis_collection),
         "SessionService": link(f"{ROOT}/SessionService"),
         "AccountService": link(f"{ROOT}/AccountService"),
+        "EventService": link(EVENT_SERVICE),
         "Links": {"Sessions": link(f"{ROOT}/SessionService/Sessions")},
     })
     return doc
@@ -172,7 +180,8 @@ def redfish_version() -> dict[str, str]:
 def odata_service(ids: Ids) -> dict[str, Any]:
     singletons = [("Service", f"{ROOT}/"), ("Systems", ids.systems), ("Managers", ids.managers),
                   ("Chassis", ids.chassis_collection), ("SessionService", f"{ROOT}/SessionService"),
-                  ("AccountService", f"{ROOT}/AccountService"), ("Sessions", f"{ROOT}/SessionService/Sessions")]
+                  ("AccountService", f"{ROOT}/AccountService"), ("Sessions", f"{ROOT}/SessionService/Sessions"),
+                  ("EventService", EVENT_SERVICE)]
     return {"@odata.context": METADATA,
             "value": [{"name": n, "kind": "Singleton", "url": u} for n, u in singletons]}
 
@@ -437,4 +446,55 @@ def account(username: str) -> dict[str, Any]:
 def role(role_id: str) -> dict[str, Any]:
     doc = _head("Role", f"{ROOT}/AccountService/Roles/{role_id}", role_id, f"{role_id} role")
     doc.update({"RoleId": role_id, "IsPredefined": True, "AssignedPrivileges": list(ROLES[role_id])})
+    return doc
+
+
+# ---- events
+
+
+def event_service(attempts: int, interval: int, prefixes: Sequence[str], types: Sequence[str]) -> dict[str, Any]:
+    doc = _head("EventService", EVENT_SERVICE, "EventService", "Event Service")
+    doc.update({
+        "ServiceEnabled": True,
+        "Status": _status(),
+        "DeliveryRetryAttempts": attempts,
+        "DeliveryRetryIntervalSeconds": interval,
+        "EventFormatTypes": ["Event"],
+        "RegistryPrefixes": list(prefixes),
+        "ResourceTypes": list(types),
+        "ServerSentEventUri": SSE_URI,
+        # $filter on the SSE URI: RegistryPrefix, ResourceType and OriginResource, with eq, or and and.
+        "SSEFilterPropertiesSupported": {"EventFormatType": False, "MessageId": False,
+                                         "MetricReportDefinition": False, "OriginResource": True,
+                                         "RegistryPrefix": True, "ResourceType": True,
+                                         "SubordinateResources": False},
+        "Subscriptions": link(SUBSCRIPTIONS),
+        "Actions": {"#EventService.SubmitTestEvent": {"target": SUBMIT_TEST_EVENT}},
+    })
+    return doc
+
+
+def event_destination(sub: Any) -> dict[str, Any]:
+    """`sub` is a vbmc.eventservice.Subscription. HttpHeaders are never shown (DSP0266: empty in responses)."""
+    doc = _head("EventDestination", f"{SUBSCRIPTIONS}/{sub.id}", sub.id, f"Event subscription {sub.id}")
+    origins = [link(o) for o in sub.origin_resources]
+    enabled = sub.state == "Enabled"
+    doc.update({
+        "Destination": sub.destination,
+        "Context": sub.context,
+        "Protocol": "Redfish",
+        "SubscriptionType": "RedfishEvent",
+        "EventFormatType": "Event",
+        "RegistryPrefixes": list(sub.registry_prefixes),
+        "ResourceTypes": list(sub.resource_types),
+        "OriginResources": origins,
+        "OriginResources@odata.count": len(origins),
+        "HttpHeaders": [],
+        "VerifyCertificate": sub.verify_certificate,
+        "DeliveryRetryPolicy": sub.retry_policy,
+        "Status": {"State": "Enabled" if enabled else "Disabled", "Health": "OK" if enabled else "Warning"},
+    })
+    if not enabled:
+        doc["Description"] = ("Suspended: deliveries failed after every retry. Delete this subscription and "
+                              "create it again to resume.")
     return doc

@@ -53,6 +53,7 @@ from io import BytesIO
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
+from ..eventservice import SSE_ENVIRON
 from .errors import RedfishError
 
 log = logging.getLogger("vbmc.redfish.server")
@@ -179,7 +180,49 @@ class RedfishFront:
             status, headers, chunks = await loop.run_in_executor(self.executor, self._call_app, environ)
         finally:
             self.queued -= 1
+        stream = environ.get(SSE_ENVIRON)
+        if stream is not None:
+            await self._stream(stream, status, headers, receive, send, scope["method"] == "HEAD")
+            return
         await _respond(send, status, headers, b"".join(chunks), head=scope["method"] == "HEAD")
+
+    async def _stream(self, stream: Any, status: int, headers: list[tuple[bytes, bytes]], receive: Receive,
+                      send: Send, head: bool) -> None:
+        """An SSE response (vbmc/eventservice.py's EventStream), written on the event loop: it takes no worker
+        thread, and ends when the client goes away (http.disconnect) or the stream is closed."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        stream.set_waker(lambda: loop.call_soon_threadsafe(wake.set))
+
+        async def gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(gone())
+        try:
+            headers = [h for h in headers if h[0].lower() != b"content-length"]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            if head:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": b": stream open\n\n", "more_body": True})
+            while not stream.closed and not watcher.done():
+                wake.clear()
+                chunks = stream.drain()
+                if chunks:
+                    await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
+                    continue
+                waiter = asyncio.ensure_future(wake.wait())
+                done, _ = await asyncio.wait({waiter, watcher}, timeout=stream.keepalive,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if not done:  # quiet for a while: a comment, so that proxies keep the connection open
+                    await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+            if not watcher.done():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            stream.close()
 
     def _check_head(self, scope: Scope) -> None:
         limits = self.limits
@@ -226,6 +269,12 @@ class RedfishFront:
         chunks: list[bytes] = []
         try:
             result = self.app(environ, start_response)
+            if environ.get(SSE_ENVIRON) is not None:
+                # An event stream: written by _stream on the event loop, not collected here. The iterable is
+                # dropped without its close(), which would close the stream.
+                status, headers = started
+                return int(status.split(" ", 1)[0]), [
+                    (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers], []
             try:
                 chunks.extend(result)
             finally:

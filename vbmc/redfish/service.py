@@ -23,6 +23,7 @@ from typing import Any
 from flask import Blueprint, Response, g, request
 
 from .. import audit
+from ..eventservice import EventService
 from ..machine import Machine
 from ..throttle import LoginThrottle
 from . import payloads, resources
@@ -89,6 +90,7 @@ class Service:
     service_uuid: str
     manager_uuid: str
     session_timeout: int
+    events: EventService | None = None  # vbmc/eventservice.py: subscriptions, delivery, SSE
     cache: RenderCache = field(default_factory=RenderCache)
     links: LinkHeaders = field(default_factory=LinkHeaders)
     allow: dict[str, str] = field(default_factory=dict)  # endpoint -> Allow header value
