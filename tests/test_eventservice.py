@@ -374,7 +374,9 @@ def test_sse_streams_are_capped_and_a_closed_one_frees_its_place(agent: AgentPro
             stream.close()
             return None
 
-        streams.append(wait_for(opened, what="a place for a new stream"))
+        reopened = wait_for(opened, what="a place for a new stream")
+        assert reopened is not None
+        streams.append(reopened)
     finally:
         for s in streams:
             s.close()
