@@ -1423,12 +1423,53 @@ class VirtApi:
         return 200, None
 
 
+# ---- virt-api's validating webhook, the rules the agent's writes meet
+
+VM_WEBHOOK = "virtualmachine-validator.kubevirt.io"
+VMI_WEBHOOK = "virtualmachineinstances-create-validator.kubevirt.io"
+
+
+def secure_boot_causes(field: str, spec: Obj) -> list[dict[str, str]]:
+    """KubeVirt's validateDomainSpec (vmi-create-admitter.go): EFI secure boot (on unless `secureBoot: false`)
+    requires SMM (`features.smm`, on unless `enabled: false`)."""
+    domain = spec.get("domain") or {}
+    efi = ((domain.get("firmware") or {}).get("bootloader") or {}).get("efi")
+    secure = isinstance(efi, dict) and efi.get("secureBoot") is not False
+    smm = (domain.get("features") or {}).get("smm")
+    smm_on = isinstance(smm, dict) and smm.get("enabled") is not False
+    if secure and not smm_on:
+        return [{"reason": "FieldValueInvalid", "field": field,
+                 "message": f"{field} has EFI SecureBoot enabled. SecureBoot requires SMM, which is currently "
+                            "disabled."}]
+    return []
+
+
+def admit(op: str, rtype: Any, new: Obj, old: Obj | None) -> None:
+    """The part of virt-api's VM and VMI validating webhooks kubesim enforces: refused as the API server refuses
+    what a webhook denies (422, the webhook named in the message)."""
+    if op not in ("CREATE", "UPDATE") or rtype.key not in (VM_KEY, VMI_KEY):
+        return
+    if rtype.key == VM_KEY:
+        causes = secure_boot_causes("spec.template.spec.domain", _template_spec(new))
+        webhook = VM_WEBHOOK
+    else:
+        if op != "CREATE":
+            return
+        causes = secure_boot_causes("spec.domain", _spec(new))
+        webhook = VMI_WEBHOOK
+    if causes:
+        text = ", ".join(c["message"] for c in causes)
+        raise errors.ApiError(422, "Invalid", f'admission webhook "{webhook}" denied the request: {text}',
+                              details={"causes": causes})
+
+
 def install(cluster: Any) -> None:
     """Register virt-api's subresources, virt-controller and virt-handler with `cluster`."""
     from .cluster import NODE_NAME  # cluster imports this module
 
     config = cluster.config
     cluster.server.add_subresource_api(VirtApi(cluster.store).subresource_api())
+    cluster.store.add_admission(admit)
     cluster.add_component(VirtualMachineController(cluster.store))
     cluster.add_component(VirtualMachineInstanceController(cluster.store, config.vm_start_delay,
                                                            config.vm_stop_delay, NODE_NAME))

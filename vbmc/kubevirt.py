@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from . import audit, bootorder, vmstate
+from . import audit, bootorder, firmware, vmstate
 from .kube import KubeClient, KubeError, Unreachable, merge_patched
 from .machine import (
     BackendUnavailable,
@@ -31,6 +31,7 @@ from .machine import (
     MediaState,
     PowerState,
     ResetType,
+    SecureBoot,
     Unsupported,
     VirtualMedia,
 )
@@ -373,14 +374,14 @@ class KubeVirtMachine(Machine):
             if override.enabled != BootEnabled.DISABLED and override.target in (BootTarget.BIOS_SETUP,
                                                                                 BootTarget.UEFI_HTTP):
                 raise Unsupported(f"KubeVirt cannot boot a VM into {override.target}")
-            ops = self._mode_ops(vm, override.mode)
+            ops = firmware.firmware_ops(vm, firmware.mode_firmware(vm, override.mode))
             record = self._boot_record()
             # An originalOrder of only devices without a bootOrder is stored as empty maps: still the original.
             original = (bootorder.DeviceOrder.from_status(record["originalOrder"] or {})
                         if record and "originalOrder" in record else bootorder.current_order(vm))
             if override.enabled == BootEnabled.DISABLED or override.target == BootTarget.NONE:
                 if record:
-                    ops += bootorder.order_patch(vm, original)
+                    ops = bootorder.order_patch(vm, original) + _restored_firmware_ops(vm, record, ops)
                 self._patch_vm(ops)
                 if record:
                     self._write_record(None)
@@ -394,22 +395,16 @@ class KubeVirtMachine(Machine):
                 "vmiUID": ((vmi or {}).get("metadata") or {}).get("uid", "") if vmi else "",
                 "originalOrder": original.as_status(),
             }
+            # A one-time override that changes the firmware (ipmitool's plain `bootdev pxe` asks for BIOS) changes
+            # it for that boot only: the firmware before it is recorded and restored with the boot order.
+            before = (firmware.Firmware.from_status(record["originalFirmware"])
+                      if record and record.get("originalFirmware") else firmware.Firmware.of(vm))
+            if override.enabled == BootEnabled.ONCE and (ops or (record and record.get("originalFirmware"))):
+                new_record["originalFirmware"] = before.as_status()
             # Record first: if the VM patch then fails, the record still restores the original order later.
             self._write_record(new_record)
             self._patch_vm(ops)
             self._event("BootOverrideSet", f"boot from {override.target} ({override.enabled}, {override.mode})")
-
-    def _mode_ops(self, vm: Obj, mode: BootMode) -> list[Obj]:
-        spec = vmstate.template_spec(vm)
-        if vmstate.boot_mode(spec) == mode and ((spec.get("domain") or {}).get("firmware") or {}).get(
-                "bootloader"):
-            return []
-        domain = spec.get("domain") or {}
-        firmware = domain.get("firmware")
-        bootloader: Obj = {"efi": {"secureBoot": False}} if mode == BootMode.UEFI else {"bios": {}}
-        if not isinstance(firmware, dict):
-            return [{"op": "add", "path": "/spec/template/spec/domain/firmware", "value": {"bootloader": bootloader}}]
-        return [{"op": "add", "path": "/spec/template/spec/domain/firmware/bootloader", "value": bootloader}]
 
     def _vmi_changed(self, vmi: Obj | None) -> None:
         """A Once override is consumed by the first VMI that runs after it was set: restore the order."""
@@ -432,7 +427,7 @@ class KubeVirtMachine(Machine):
                     return
                 vm = self._vm()
                 original = bootorder.DeviceOrder.from_status(record.get("originalOrder") or {})
-                self._patch_vm(bootorder.order_patch(vm, original))
+                self._patch_vm(bootorder.order_patch(vm, original) + _restored_firmware_ops(vm, record, []))
                 self._write_record(None)
                 self._event("BootOverrideConsumed", f"boot once from {record.get('target')} applied to VMI "
                                                     f"{vmi_uid}; restored the original boot order")
@@ -440,6 +435,34 @@ class KubeVirtMachine(Machine):
             log.warning("could not restore the boot order after a Once override: %s", exc)
         finally:
             self._reverting.release()
+
+    # ---- secure boot
+
+    def secure_boot(self) -> SecureBoot:
+        vm = self._vm()
+        spec = vmstate.template_spec(vm)
+        vmi = self._vmi()
+        running = vmi is not None and (vmi.get("status") or {}).get("phase") == "Running"
+        current = vmstate.secure_boot((vmi or {}).get("spec") or {}) if running else None
+        return SecureBoot(vmstate.secure_boot(spec), current, vmstate.boot_mode(spec) == BootMode.UEFI)
+
+    def set_secure_boot(self, enabled: bool) -> None:
+        with self._lock:
+            vm = self._vm()
+            now = firmware.Firmware.of(vm)
+            if now.mode != BootMode.UEFI:
+                raise InvalidRequest("secure boot needs UEFI firmware and the VM boots with BIOS: set the boot "
+                                     "mode to UEFI first")
+            if now.secure_boot == enabled:
+                return
+            spec = vmstate.template_spec(vm)
+            smm = enabled and not firmware.smm_enabled(spec)
+            self._patch_vm(firmware.firmware_ops(vm, firmware.Firmware(BootMode.UEFI, enabled)))
+            if enabled:
+                self._event("SecureBootEnabled", "enabled UEFI secure boot from the next boot on"
+                            + ("; enabled SMM, which KubeVirt requires for it" if smm else ""))
+            else:
+                self._event("SecureBootDisabled", "disabled UEFI secure boot from the next boot on")
 
     # ---- virtual media
 
@@ -545,6 +568,13 @@ class KubeVirtMachine(Machine):
                        ok=lambda e: e.status == 404)
             if found is not None:
                 self._event("VirtualMediaEjected", f"ejected the medium from {disk}")
+
+
+def _restored_firmware_ops(vm: Obj, record: Obj, otherwise: list[Obj]) -> list[Obj]:
+    """The firmware a one-time override recorded as the one before it; `otherwise` when it recorded none."""
+    if not record.get("originalFirmware"):
+        return otherwise
+    return firmware.firmware_ops(vm, firmware.Firmware.from_status(record["originalFirmware"]))
 
 
 def _not_running(exc: KubeError) -> bool:

@@ -84,6 +84,15 @@ class BootOverride:
 
 
 @dataclass(frozen=True)
+class SecureBoot:
+    """UEFI secure boot as a BMC reports it: what the next boot will use, what the running boot used."""
+
+    enabled: bool = False  # the next boot's setting (KubeVirt: the VM template)
+    current: bool | None = None  # the running boot's (KubeVirt: the VMI's spec); None while the machine is off
+    uefi: bool = True  # secure boot exists only under UEFI firmware
+
+
+@dataclass(frozen=True)
 class Health:
     state: HealthState = HealthState.OK
     message: str = ""
@@ -225,6 +234,15 @@ class Machine(abc.ABC):
         if before is not None and before != power:
             self.events.publish(POWER_STATE_CHANGED, f"power state changed from {before} to {power}",
                                 **{"from": str(before), "to": str(power)})
+
+    def secure_boot(self) -> SecureBoot:
+        """UEFI secure boot; the default reads the inventory and claims no running boot."""
+        inventory = self.inventory()
+        return SecureBoot(inventory.secure_boot, None, inventory.firmware == BootMode.UEFI)
+
+    def set_secure_boot(self, enabled: bool) -> None:
+        """Enable or disable secure boot from the next boot on; raises InvalidRequest under BIOS firmware."""
+        raise Unsupported("this machine cannot change secure boot")
 
     def media_slots(self) -> tuple[str, ...]:
         """The virtual media slots the BMC has, like the virtual CD of a physical BMC: present whether or not the

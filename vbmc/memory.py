@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid as uuidlib
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 from .audit import redact_url
@@ -24,6 +25,7 @@ from .machine import (
     Nic,
     PowerState,
     ResetType,
+    SecureBoot,
     Unsupported,
     VirtualMedia,
 )
@@ -42,6 +44,9 @@ class MemoryMachine(Machine):
         self._lock = threading.Lock()
         self._power = power
         self._override = BootOverride()
+        self._secure_boot = False  # the next boot's
+        self._booted_secure = False  # the running boot's
+        self._before_once: tuple[BootMode, bool] | None = None  # the firmware a Once override changed
         self._started: float | None = time.time() if power == PowerState.ON else None
         self._boots = 0  # how many times the machine has booted, so tests can see what a boot consumed
         self._last_boot_target = BootTarget.HDD
@@ -105,10 +110,43 @@ class MemoryMachine(Machine):
             self._last_boot_target = override.target
         else:
             self._last_boot_target = BootTarget.HDD
+        self._booted_secure = self._secure_boot and self._inventory.firmware == BootMode.UEFI
         if override.enabled == BootEnabled.ONCE:
-            # A Once override is consumed by the boot it applied to.
-            self._override = BootOverride(BootTarget.NONE, BootEnabled.DISABLED, override.mode)
+            # A Once override is consumed by the boot it applied to, and so is the firmware it changed.
+            self._restore_firmware()
+            self._override = BootOverride(BootTarget.NONE, BootEnabled.DISABLED, self._inventory.firmware)
             self.events.publish("BootOverrideConsumed", f"boot once from {override.target} applied")
+
+    def _set_firmware(self, mode: BootMode) -> None:
+        if mode != self._inventory.firmware:
+            self._secure_boot = False  # the KubeVirt backend's rule: BIOS has no secure boot to carry over
+            self._inventory = replace(self._inventory, firmware=mode, secure_boot=False)
+
+    def _restore_firmware(self) -> None:
+        if self._before_once is not None:
+            mode, secure = self._before_once
+            self._before_once = None
+            self._secure_boot = secure
+            self._inventory = replace(self._inventory, firmware=mode, secure_boot=secure)
+
+    # ---- secure boot
+
+    def secure_boot(self) -> SecureBoot:
+        running = self._power != PowerState.OFF
+        return SecureBoot(self._secure_boot, self._booted_secure if running else None,
+                          self._inventory.firmware == BootMode.UEFI)
+
+    def set_secure_boot(self, enabled: bool) -> None:
+        with self._lock:
+            if self._inventory.firmware != BootMode.UEFI:
+                raise InvalidRequest("secure boot needs UEFI firmware and the machine boots with BIOS: set the "
+                                     "boot mode to UEFI first")
+            if enabled == self._secure_boot:
+                return
+            self._secure_boot = enabled
+            self._inventory = replace(self._inventory, secure_boot=enabled)
+        self.events.publish("SecureBootEnabled" if enabled else "SecureBootDisabled",
+                            f"{'enabled' if enabled else 'disabled'} UEFI secure boot from the next boot on")
 
     def running_since(self) -> float | None:
         return self._started if self._power != PowerState.OFF else None
@@ -124,7 +162,7 @@ class MemoryMachine(Machine):
     # ---- boot
 
     def boot_override(self) -> BootOverride:
-        return self._override
+        return replace(self._override, mode=self._inventory.firmware)
 
     def supported_boot_targets(self) -> tuple[BootTarget, ...]:
         return SUPPORTED_TARGETS
@@ -137,7 +175,20 @@ class MemoryMachine(Machine):
         if override.target == BootTarget.UEFI_HTTP and override.mode != BootMode.UEFI:
             raise InvalidRequest("UEFI HTTP boot needs UEFI mode")
         with self._lock:
-            self._override = override
+            before = (self._inventory.firmware, self._secure_boot)
+            if override.enabled == BootEnabled.DISABLED or override.target == BootTarget.NONE:
+                if self._before_once is not None:
+                    self._restore_firmware()
+                else:
+                    self._set_firmware(override.mode)
+            else:
+                self._set_firmware(override.mode)
+                if override.enabled == BootEnabled.ONCE:
+                    if self._before_once is None and before != (self._inventory.firmware, self._secure_boot):
+                        self._before_once = before
+                else:
+                    self._before_once = None  # a persistent override keeps the firmware it chose
+            self._override = replace(override, mode=self._inventory.firmware)
         self.events.publish("BootOverrideSet", f"boot from {override.target} ({override.enabled}, {override.mode})")
 
     # ---- inventory

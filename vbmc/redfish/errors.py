@@ -85,6 +85,9 @@ MESSAGES: Mapping[str, tuple[str, str, str]] = {
     "PreconditionFailed": (
         "The ETag supplied did not match the ETag required to change this resource.", "Critical",
         "Try the operation again using the appropriate ETag."),
+    "PropertyValueConflict": (
+        "The property '%1' could not be written because its value would conflict with the value of the '%2' "
+        "property.", "Warning", "No resolution is required."),
     "PropertyValueResourceConflict": (
         "The property '%1' with the requested value of '%2' could not be written because the value conflicts with "
         "the state or configuration of the resource at '%3'.", "Warning", "None."),

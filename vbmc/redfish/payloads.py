@@ -30,6 +30,10 @@ class SystemPatch(_Body):
     Boot: BootPatch | None = None
 
 
+class SecureBootPatch(_Body):
+    SecureBootEnable: bool | None = None
+
+
 class ResetAction(_Body):
     ResetType: str
 

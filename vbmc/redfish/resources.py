@@ -20,6 +20,7 @@ from ..machine import (
     MediaState,
     PowerState,
     ResetType,
+    SecureBoot,
     VirtualMedia,
 )
 from .sessions import Session
@@ -47,6 +48,7 @@ SCHEMAS: dict[str, str] = {
     "Storage": "v1_21_0",
     "Drive": "v1_22_0",
     "ManagerNetworkProtocol": "v1_12_0",
+    "SecureBoot": "v1_1_2",
     "EventService": "v1_12_0",
     "EventDestination": "v1_16_0",
     "Event": "v1_13_0",
@@ -245,6 +247,7 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
         "EthernetInterfaces": link(f"{path}/EthernetInterfaces"),
         "SimpleStorage": link(f"{path}/SimpleStorage"),
         "Storage": link(f"{path}/Storage"),
+        "SecureBoot": link(f"{path}/SecureBoot"),
         "Links": {"Chassis": [link(ids.chassis)], "ManagedBy": [link(ids.manager)]},
         "Actions": {"#ComputerSystem.Reset": {
             "target": f"{path}/Actions/ComputerSystem.Reset",
@@ -256,6 +259,24 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
         doc["VirtualMedia"] = link(f"{path}/VirtualMedia")
     if health.state != HealthState.OK and health.message:
         doc["Description"] = health.message
+    return doc
+
+
+def secure_boot(ids: Ids, state: SecureBoot) -> dict[str, Any]:
+    """UEFI secure boot: SecureBootEnable is the next boot's setting, SecureBootCurrentBoot the running boot's
+    (null while the system is off: there is no current boot). KubeVirt boots secure-boot VMs with OVMF's variable
+    store that has the platform keys enrolled (UserMode), others with an empty one (SetupMode). No ResetKeys:
+    KubeVirt has no key management."""
+    doc = _head("SecureBoot", f"{ids.system}/SecureBoot", "SecureBoot", "UEFI Secure Boot")
+    booted = state.enabled if state.current is None else state.current
+    doc.update({
+        "SecureBootEnable": state.enabled,
+        "SecureBootCurrentBoot": None if state.current is None else ("Enabled" if state.current else "Disabled"),
+        "SecureBootMode": "UserMode" if booted and state.uefi else "SetupMode",
+    })
+    if not state.uefi:
+        doc["Description"] = ("The system boots with BIOS firmware: secure boot needs UEFI "
+                              "(Boot.BootSourceOverrideMode).")
     return doc
 
 

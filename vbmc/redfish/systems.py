@@ -63,6 +63,25 @@ def blueprint(svc: Service) -> Blueprint:
                                    detail=str(exc), related="#/Boot/BootSourceOverrideTarget") from None
         return svc.send(rendered_system(), etag=True)
 
+    def rendered_secure_boot() -> Rendered:
+        state = machine.secure_boot()
+        return cache.get("secure_boot", "SecureBoot", state, lambda: resources.secure_boot(ids, state))
+
+    @route(bp, f"{ids.system}/SecureBoot", ("GET", "PATCH"))
+    def secure_boot() -> Response:
+        if request.method == "PATCH":
+            current = rendered_secure_boot()
+            svc.check_if_match(current)
+            patch = payloads.parse_patch(payloads.SecureBootPatch, svc.body(), json.loads(current.body))
+            if patch.SecureBootEnable is not None:
+                try:
+                    machine.set_secure_boot(patch.SecureBootEnable)
+                except InvalidRequest as exc:  # BIOS firmware: the boot mode is the conflict
+                    raise RedfishError(409, "PropertyValueConflict", "SecureBootEnable",
+                                       "Boot/BootSourceOverrideMode", detail=str(exc),
+                                       related="#/SecureBootEnable") from None
+        return svc.send(rendered_secure_boot(), etag=True)
+
     @route(bp, f"{ids.system}/Actions/ComputerSystem.Reset", ("POST",))
     def reset() -> Response:
         action = "ComputerSystem.Reset"
