@@ -234,6 +234,8 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
         args += ["--redfish", "false"]  # the HTTP listener then serves the probes only
     else:
         args += ["--subscriptions-secret", events_secret_name(vm)]
+        if spec.redfish.require_tls:
+            args += ["--redfish-require-tls", "true"]
     ports: list[Obj] = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     if spec.ipmi.enabled:
         ports.insert(0, {"name": "ipmi", "containerPort": IPMI_PORT, "protocol": "UDP"})

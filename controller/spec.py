@@ -30,6 +30,7 @@ class RedfishTLS(_Model):
 class Redfish(_Model):
     enabled: bool = True
     tls: RedfishTLS = Field(default_factory=RedfishTLS)
+    require_tls: bool = Field(default=False, alias="requireTLS")
 
 
 class ServiceOptions(_Model):

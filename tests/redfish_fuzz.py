@@ -217,8 +217,9 @@ def send_raw(port: int, method: str, path: str, body: bytes = b"", *,
 
 
 def answer_problem(method: str, status: int, content_type: str, data: bytes) -> str | None:
-    """What is wrong with an answer, or None: no 5xx but 503, and a Redfish error body on every error."""
-    if status >= 500 and status != 503:
+    """What is wrong with an answer, or None: no 5xx but 503 (busy) and 501 (DSP0266's answer to an unsupported
+    query parameter), and a Redfish error body on every error."""
+    if status >= 500 and status not in (501, 503):
         return f"status {status}"
     if status < 400 or method.upper() == "HEAD":
         return None

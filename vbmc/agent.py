@@ -47,6 +47,7 @@ class AgentConfig:
     threads: int = 2
     subscriptions_secret: str = ""  # where Redfish event subscriptions are kept; empty: in memory
     event_ca_file: str = ""  # CA certificates, besides the system's, for HTTPS event destinations
+    redfish_require_tls: bool = False  # refuse credentials over plain HTTP
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Redfish; false leaves the HTTP listener to /healthz and /readyz "
                              "(default %(default)s)")
     parser.add_argument("--redfish-tls-address", default=env("VBMC_REDFISH_TLS_ADDRESS", ""), metavar="HOST:PORT")
+    parser.add_argument("--redfish-require-tls", default=env("VBMC_REDFISH_REQUIRE_TLS", "false"),
+                        choices=("true", "false"),
+                        help="refuse Redfish credentials (Basic, session login, session tokens) that come over plain "
+                             "HTTP; the service root stays readable there (default %(default)s)")
     parser.add_argument("--tls-cert", default=env("VBMC_TLS_CERT", ""), metavar="FILE")
     parser.add_argument("--tls-key", default=env("VBMC_TLS_KEY", ""), metavar="FILE")
     parser.add_argument("--subscriptions-secret", default=env("VBMC_SUBSCRIPTIONS_SECRET", ""), metavar="NAME",
@@ -108,7 +113,7 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
                        redfish_tls_address=args.redfish_tls_address,
                        tls_cert=args.tls_cert, tls_key=args.tls_key, kubeconfig=args.kubeconfig,
                        threads=args.threads, subscriptions_secret=args.subscriptions_secret,
-                       event_ca_file=args.event_ca_file)
+                       event_ca_file=args.event_ca_file, redfish_require_tls=args.redfish_require_tls == "true")
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -186,7 +191,8 @@ class Agent:
 
             store = SecretStore(self.kube, c.namespace, c.subscriptions_secret)
         app = create_app(self.machine, c.username, c.password, system_id=c.vm, bmc_uuid=bmc_uuid,
-                         throttle=self.throttle, subscriptions=store, event_ca_file=c.event_ca_file)
+                         throttle=self.throttle, subscriptions=store, event_ca_file=c.event_ca_file,
+                         require_tls=c.redfish_require_tls)
         self.events = app.extensions["vbmc.events"]
         app.wsgi_app = _Metrics(app.wsgi_app, self.throttle.metrics)
         return app
@@ -301,6 +307,9 @@ def run(args: argparse.Namespace) -> int:
              config.ipmi_address or "-", (config.redfish_address or "-") if config.redfish else "off",
              config.redfish_tls_address or "-",
              config.backend)
+    if config.redfish_require_tls and config.redfish and not config.redfish_tls_address:
+        log.warning("agent: --redfish-require-tls without --redfish-tls-address: every Redfish request with "
+                    "credentials is refused until the agent serves HTTPS")
     try:
         serve(agent.app, server_config, probes=agent.probes(), on_stop=agent.shutdown)
     except (OSError, ValueError) as exc:

@@ -17,6 +17,8 @@ from .resources import ROOT
 from .service import REALM, Service
 
 SESSIONS = f"{ROOT}/SessionService/Sessions"
+SESSION_MEMBERS = f"{SESSIONS}/Members"  # DSP0266 "Session login": a POST here creates a session too
+LOGINS = frozenset((SESSIONS, SESSION_MEMBERS))
 # Reachable without credentials (DSP0266 13.3.1: the service root, $metadata and the OData service document;
 # POST to Sessions is how a client logs in).
 PUBLIC = frozenset(("/redfish", ROOT, f"{ROOT}/odata", f"{ROOT}/$metadata"))
@@ -28,7 +30,15 @@ def authenticate(svc: Service) -> None:
     if request.method != "GET":
         g.started = time.perf_counter()
     path = request.path
-    if path in PUBLIC or (path == SESSIONS and request.method == "POST"):
+    if svc.require_tls and request.scheme != "https" and (
+            "X-Auth-Token" in request.headers or "Authorization" in request.headers
+            or (path in LOGINS and request.method == "POST")):
+        # Credentials over plain HTTP are refused before they are looked at: nothing is compared, nothing is
+        # counted against the address; the client is told where to go instead.
+        raise RedfishError(403, "GeneralError", detail=(
+            "This BMC accepts credentials over HTTPS only (spec.redfish.requireTLS): use https:// (Metal3: "
+            "redfish:// or redfish+https://)."))
+    if path in PUBLIC or (path in LOGINS and request.method == "POST"):
         return
     token = request.headers.get("X-Auth-Token")
     if token is not None:
@@ -84,6 +94,10 @@ def blueprint(svc: Service) -> Blueprint:
         return svc.send_doc("SessionCollection", resources.collection("SessionCollection", SESSIONS, "Sessions",
                                                                       members))
 
+    @route(bp, SESSION_MEMBERS, ("POST",))
+    def session_members() -> Response:
+        return login()
+
     def login() -> Response:
         doc = svc.body()
         creds = payloads.parse_patch(payloads.SessionCreate, {k: v for k, v in doc.items()
@@ -123,7 +137,10 @@ def blueprint(svc: Service) -> Blueprint:
 
     @route(bp, f"{ROOT}/AccountService/Accounts/{resources.ACCOUNT_ID}")
     def account() -> Response:
-        return svc.static("account", "ManagerAccount", lambda: resources.account(svc.username))
+        # A ManagerAccount is a writable resource in the schema: its GET carries an ETag (DSP0266), even here, where
+        # the one account comes from a Secret and a PATCH is refused.
+        return svc.send(svc.cache.get("account", "ManagerAccount", None, lambda: resources.account(svc.username)),
+                        etag=True)
 
     @route(bp, f"{ROOT}/AccountService/Roles")
     def roles() -> Response:

@@ -28,7 +28,7 @@ from ..machine import BackendUnavailable, Machine, MachineError, Unsupported
 from ..throttle import LoginThrottle
 from . import accounts, events, managers, media, resources, systems
 from .errors import RedfishError, not_found
-from .resources import ROOT, Ids
+from .resources import ROOT, SSE_URI, Ids
 from .service import JSON_TYPE, ODATA_HEADERS, Service
 from .sessions import SessionStore
 
@@ -52,7 +52,7 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
                ports: Mapping[str, int] | None = None, host_name: str | None = None,
                fqdn: str | None = None, bmc_uuid: str | None = None,
                throttle: LoginThrottle | None = None, subscriptions: SubscriptionStore | None = None,
-               event_ca_file: str = "") -> Flask:
+               event_ca_file: str = "", require_tls: bool = False) -> Flask:
     """A Redfish service for one machine, with one account (`username`/`password`, HTTP Basic or sessions).
 
     `system_id` defaults to the machine's name (stable for a VM); `session_timeout` is the inactivity timeout
@@ -76,7 +76,7 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         store=SessionStore(session_timeout, clock), throttle=throttle if throttle is not None else LoginThrottle(),
         version=version, ports=dict(DEFAULT_PORTS if ports is None else ports),
         host_name=host_name or socket.gethostname(), fqdn=fqdn, service_uuid=resources.service_uuid(bmc_uuid),
-        manager_uuid=resources.manager_uuid(bmc_uuid), session_timeout=session_timeout)
+        manager_uuid=resources.manager_uuid(bmc_uuid), session_timeout=session_timeout, require_tls=require_tls)
     ids = svc.ids
     svc.events = EventService(machine.events, system=ids.system, system_name=ids.system_id,
                               media_base=f"{ids.manager}/VirtualMedia", store=subscriptions, ca_file=event_ca_file)
@@ -89,6 +89,7 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
     app.register_blueprint(_service_root(svc))
     for family in FAMILIES:
         app.register_blueprint(family.blueprint(svc))
+    _protocol_checks(app)  # after authentication (accounts): a client without credentials learns nothing more
     app.extensions["vbmc.sessions"] = svc.store
     app.extensions["vbmc.service"] = svc
     app.extensions["vbmc.events"] = svc.events
@@ -120,6 +121,38 @@ def _service_root(svc: Service) -> Blueprint:
         return Response(metadata, headers=ODATA_HEADERS, content_type="application/xml; charset=utf-8")
 
     return bp
+
+
+# Redfish-defined query parameters that do not start with "$" but that a client relies on when it sends them: refused
+# like the "$" ones rather than ignored, so that nobody takes a whole collection for the excerpt it asked for.
+REDFISH_QUERY = frozenset(("only", "excerpt", "includeoriginofcondition"))
+QUERY_ALLOWED = {SSE_URI: frozenset(("$filter",))}  # the SSE stream's own filter (vbmc/redfish/events.py)
+
+
+def _protocol_checks(app: Flask) -> None:
+    """DSP0266's request rules that hold for every resource: OData-Version, query parameters, Content-Type."""
+
+    @app.before_request
+    def protocol() -> None:
+        version = request.headers.get("OData-Version")
+        if version is not None and version.strip() != "4.0":
+            # DSP0266 "Request headers": reject an unsupported OData-Version with 412.
+            raise RedfishError(412, "HeaderInvalid", f"OData-Version: {version}",
+                               detail="This service supports OData-Version 4.0.")
+        if request.args:  # the hot path has none: one truth test
+            allowed = QUERY_ALLOWED.get(request.path, frozenset())
+            for name in request.args:
+                if (name.startswith("$") or name.lower() in REDFISH_QUERY) and name not in allowed:
+                    # DSP0266 "Query parameters": 501 for an unsupported query parameter that starts with "$";
+                    # others are ignored.
+                    raise RedfishError(501, "QueryParameterUnsupported", name)
+        content_type = request.headers.get("Content-Type")
+        if content_type is not None and request.method in ("POST", "PATCH", "PUT") and \
+                request.mimetype != "application/json":
+            # DSP0266 "Request headers": a body in another media type is 415. A body without a Content-Type is
+            # read as JSON (scripts that send one without the header keep working).
+            raise RedfishError(415, "HeaderInvalid", f"Content-Type: {content_type}",
+                               detail="Request bodies must be application/json.")
 
 
 def _errors_and_audit(app: Flask, svc: Service) -> None:

@@ -85,6 +85,11 @@ MESSAGES: Mapping[str, tuple[str, str, str]] = {
     "PreconditionFailed": (
         "The ETag supplied did not match the ETag required to change this resource.", "Critical",
         "Try the operation again using the appropriate ETag."),
+    "HeaderInvalid": (
+        "Header '%1' is invalid.", "Critical", "Resubmit the request with a valid request header."),
+    "QueryParameterUnsupported": (
+        "Query parameter '%1' is not supported.", "Warning",
+        "Remove the query parameter and resubmit the request if the operation failed."),
     "PropertyValueConflict": (
         "The property '%1' could not be written because its value would conflict with the value of the '%2' "
         "property.", "Warning", "No resolution is required."),

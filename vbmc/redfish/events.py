@@ -3,6 +3,7 @@ the SSE stream at ServerSentEventUri. Delivery and the subscriptions' store are 
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
 from typing import Any
@@ -15,7 +16,7 @@ from ..eventservice import SSE_ENVIRON, EventService, StoreUnavailable, Subscrip
 from . import payloads, resources
 from .errors import RedfishError, not_found
 from .resources import EVENT_SERVICE, SSE_URI, SUBMIT_TEST_EVENT, SUBSCRIPTIONS
-from .service import Service
+from .service import Rendered, Service, etag_of
 
 MAX_DESTINATION = 2048
 MAX_CONTEXT = 256
@@ -44,7 +45,7 @@ def blueprint(svc: Service) -> Blueprint:
         if request.method == "PATCH":
             current = svc.cache.get("event_service", "EventService", _settings(events), lambda: _render(events))
             svc.check_if_match(current)
-            patch = payloads.parse_patch(payloads.EventServicePatch, svc.body(), _render(events))
+            patch, refused = payloads.parse_partial_patch(payloads.EventServicePatch, svc.body(), _render(events))
             attempts = patch.DeliveryRetryAttempts
             if attempts is not None and not 0 <= attempts <= 10:
                 raise RedfishError(400, "PropertyValueNotInList", attempts, "DeliveryRetryAttempts",
@@ -57,6 +58,8 @@ def blueprint(svc: Service) -> Blueprint:
                 events.retry_interval = patch.DeliveryRetryIntervalSeconds
             if patch.DeliveryRetryAttempts is not None:
                 events.retry_attempts = patch.DeliveryRetryAttempts
+            rendered = svc.cache.get("event_service", "EventService", _settings(events), lambda: _render(events))
+            return svc.send(rendered, etag=True, messages=refused)
         rendered = svc.cache.get("event_service", "EventService", _settings(events), lambda: _render(events))
         return svc.send(rendered, etag=True)
 
@@ -81,13 +84,16 @@ def blueprint(svc: Service) -> Blueprint:
             return svc.no_content()
         if request.method == "PATCH":
             shown = resources.event_destination(sub)
-            patch = payloads.parse_patch(payloads.SubscriptionPatch, svc.body(), shown)
+            body = json.dumps(shown, separators=(",", ":")).encode()
+            svc.check_if_match(Rendered(body, etag_of(body), "EventDestination"))
+            patch, refused = payloads.parse_partial_patch(payloads.SubscriptionPatch, svc.body(), shown)
             if patch.Context is not None:
                 check_context(patch.Context)
                 sub = events_call(events.update, sub_id, patch.Context)
                 if sub is None:
                     raise not_found(request.path)
-        return svc.send_doc("EventDestination", resources.event_destination(sub))
+            return svc.send_doc("EventDestination", resources.event_destination(sub), etag=True, messages=refused)
+        return svc.send_doc("EventDestination", resources.event_destination(sub), etag=True)
 
     @route(bp, SUBMIT_TEST_EVENT, ("POST",))
     def submit_test_event() -> Response:

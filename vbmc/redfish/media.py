@@ -60,7 +60,7 @@ def blueprint(svc: Service) -> Blueprint:
         current = rendered_media(base, slot)
         if request.method == "PATCH":
             svc.check_if_match(current)
-            patch = payloads.parse_patch(payloads.MediaPatch, svc.body(), json.loads(current.body))
+            patch, refused = payloads.parse_partial_patch(payloads.MediaPatch, svc.body(), json.loads(current.body))
             try:
                 if patch.Inserted is False or patch.Image == "":
                     machine.eject_media(slot)
@@ -77,7 +77,7 @@ def blueprint(svc: Service) -> Blueprint:
                 name, value = ("Image", patch.Image) if patch.Image else ("Inserted", bool(patch.Inserted))
                 raise RedfishError(409, "PropertyValueResourceConflict", name, value, ids.system,
                                    detail=str(exc), related=f"#/{name}") from None
-            current = rendered_media(base, slot)
+            return svc.send(rendered_media(base, slot), etag=True, messages=refused)
         return svc.send(current, etag=True)
 
     def check_drive(base: str, slot: str, action: str) -> None:

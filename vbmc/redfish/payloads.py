@@ -10,6 +10,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import errors
 from .errors import RedfishError, combine
 
 M = TypeVar("M", bound=BaseModel)
@@ -214,6 +215,22 @@ def parse_patch(model: type[M], doc: dict[str, Any], readonly: dict[str, Any]) -
             else:
                 errors.append(RedfishError(400, "PropertyValueTypeError", value, name, related=pointer))
         raise combine(errors) from None
+
+
+def parse_partial_patch(model: type[M], doc: dict[str, Any],
+                        readonly: dict[str, Any]) -> tuple[M, list[dict[str, Any]]]:
+    """A PATCH that mixes properties the client may write with ones it may not (DSP0266 "Modification success
+    responses": the service applies what it can and answers 200 with a message per property it did not apply):
+    the writable part, validated, and the PropertyNotWritable / PropertyUnknown messages for the rest. A body with
+    nothing writable in it is refused whole (400), as is one whose writable values are wrong."""
+    doc = {k: v for k, v in doc.items() if not k.startswith("@")}
+    known = {f.alias or name for name, f in model.model_fields.items()}
+    refused = [k for k in doc if k not in known]
+    if refused and len(refused) == len(doc):
+        return parse_patch(model, doc, readonly), []  # raises: nothing here can be applied
+    messages = [errors.message("PropertyNotWritable" if k in readonly else "PropertyUnknown", k, related=f"#/{k}")
+                for k in refused]
+    return parse_patch(model, {k: v for k, v in doc.items() if k in known}, readonly), messages
 
 
 def parse_action(model: type[M], doc: dict[str, Any], action: str) -> M:

@@ -171,8 +171,25 @@ def service_root(ids: Ids, uuid: str, product: str, version: str) -> dict[str, A
         "AccountService": link(f"{ROOT}/AccountService"),
         "EventService": link(EVENT_SERVICE),
         "Links": {"Sessions": link(f"{ROOT}/SessionService/Sessions")},
+        "ProtocolFeaturesSupported": PROTOCOL_FEATURES,
     })
     return doc
+
+
+# What the service implements of DSP0266's protocol features, truthfully: no query parameters (each one is
+# answered 501, vbmc/redfish/app.py), no deep operations; several requests at a time, yes. (The SSE stream's own
+# `$filter` is described by the EventService's SSEFilterPropertiesSupported, not here.)
+PROTOCOL_FEATURES: dict[str, Any] = {
+    "ExpandQuery": {"ExpandAll": False, "Levels": False, "Links": False, "NoLinks": False},
+    "SelectQuery": False,
+    "FilterQuery": False,
+    "OnlyMemberQuery": False,
+    "ExcerptQuery": False,
+    "TopSkipQuery": False,
+    "IncludeOriginOfConditionQuery": False,
+    "DeepOperations": {"DeepPATCH": False, "DeepPOST": False},
+    "MultipleHTTPRequests": True,
+}
 
 
 def redfish_version() -> dict[str, str]:

@@ -90,6 +90,7 @@ class Service:
     service_uuid: str
     manager_uuid: str
     session_timeout: int
+    require_tls: bool = False  # refuse credentials that come over plain HTTP (spec.redfish.requireTLS)
     events: EventService | None = None  # vbmc/eventservice.py: subscriptions, delivery, SSE
     cache: RenderCache = field(default_factory=RenderCache)
     links: LinkHeaders = field(default_factory=LinkHeaders)
@@ -121,7 +122,10 @@ class Service:
     # ---- responses
 
     def send(self, rendered: Rendered, status: int = 200, etag: bool = False,
-             headers: dict[str, str] | None = None) -> Response:
+             headers: dict[str, str] | None = None, messages: list[dict[str, Any]] | None = None) -> Response:
+        """`etag`: the resource can be written (DSP0266: an ETag on every GET of a resource a client may PATCH, so
+        that it can send If-Match); `messages`: what a partly applied PATCH did not apply, in the body's
+        `@Message.ExtendedInfo`."""
         head = [("OData-Version", "4.0"), ("Cache-Control", "no-cache"), ("Link", self.links[rendered.kind])]
         rule = request.url_rule
         if rule is not None and rule.endpoint in self.allow:
@@ -130,12 +134,19 @@ class Service:
             head.append(("ETag", rendered.etag))
         if headers:
             head.extend(headers.items())
-        return Response(rendered.body, status=status, headers=head, content_type=JSON_TYPE)
+        body = rendered.body
+        if messages:
+            doc = json.loads(body)
+            doc["@Message.ExtendedInfo"] = messages
+            body = json.dumps(doc, separators=(",", ":")).encode()
+        return Response(body, status=status, headers=head, content_type=JSON_TYPE)
 
     def send_doc(self, kind: str, doc: dict[str, Any], status: int = 200,
-                 headers: dict[str, str] | None = None) -> Response:
+                 headers: dict[str, str] | None = None, etag: bool = False,
+                 messages: list[dict[str, Any]] | None = None) -> Response:
         body = json.dumps(doc, separators=(",", ":")).encode()
-        return self.send(Rendered(body, "", kind), status, headers=headers)
+        return self.send(Rendered(body, etag_of(body) if etag else "", kind), status, etag=etag, headers=headers,
+                         messages=messages)
 
     def static(self, name: str, kind: str, build: Callable[[], dict[str, Any]]) -> Response:
         """A resource that never changes while the app runs: rendered once."""
@@ -157,8 +168,8 @@ class Service:
         if header is None:
             return
         tags = [t.strip() for t in header.split(",")]
-        # A weak validator of ours is the same tag: the representation is what it was hashed from.
-        if "*" in tags or any(t.removeprefix("W/") == current.etag for t in tags):
+        # If-Match compares strongly (RFC 9110 13.1.1): a weak tag never matches, whatever it names.
+        if "*" in tags or current.etag in tags:
             return
         raise RedfishError(412, "PreconditionFailed", headers={"ETag": current.etag})
 

@@ -41,7 +41,7 @@ def blueprint(svc: Service) -> Blueprint:
         current = rendered_system()
         svc.check_if_match(current)
         readonly = json.loads(current.body)
-        patch = payloads.parse_patch(payloads.SystemPatch, svc.body(), readonly)
+        patch, refused = payloads.parse_partial_patch(payloads.SystemPatch, svc.body(), readonly)
         if patch.Boot is not None:
             old = machine.boot_override()
             boot = patch.Boot
@@ -61,7 +61,7 @@ def blueprint(svc: Service) -> Blueprint:
             except Unsupported as exc:
                 raise RedfishError(400, "PropertyValueNotInList", target.value, "BootSourceOverrideTarget",
                                    detail=str(exc), related="#/Boot/BootSourceOverrideTarget") from None
-        return svc.send(rendered_system(), etag=True)
+        return svc.send(rendered_system(), etag=True, messages=refused)
 
     def rendered_secure_boot() -> Rendered:
         state = machine.secure_boot()
@@ -72,7 +72,8 @@ def blueprint(svc: Service) -> Blueprint:
         if request.method == "PATCH":
             current = rendered_secure_boot()
             svc.check_if_match(current)
-            patch = payloads.parse_patch(payloads.SecureBootPatch, svc.body(), json.loads(current.body))
+            patch, refused = payloads.parse_partial_patch(payloads.SecureBootPatch, svc.body(),
+                                                          json.loads(current.body))
             if patch.SecureBootEnable is not None:
                 try:
                     machine.set_secure_boot(patch.SecureBootEnable)
@@ -80,6 +81,7 @@ def blueprint(svc: Service) -> Blueprint:
                     raise RedfishError(409, "PropertyValueConflict", "SecureBootEnable",
                                        "Boot/BootSourceOverrideMode", detail=str(exc),
                                        related="#/SecureBootEnable") from None
+            return svc.send(rendered_secure_boot(), etag=True, messages=refused)
         return svc.send(rendered_secure_boot(), etag=True)
 
     @route(bp, f"{ids.system}/Actions/ComputerSystem.Reset", ("POST",))
