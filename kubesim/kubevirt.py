@@ -647,6 +647,22 @@ def claim_of(volume: Obj) -> str:
     return ""
 
 
+def claim_info(volume: Obj, datavolume: Callable[[str], Obj | None]) -> Obj | None:
+    """virt-controller's persistentVolumeClaimInfo for a claim-backed volume: the claim's capacity (kubesim has no
+    PVC kind: a claim is its DataVolume, and its capacity the DataVolume's storage request)."""
+    if "dataVolume" not in volume and "persistentVolumeClaim" not in volume:
+        return None
+    claim = claim_of(volume)
+    dv = datavolume(claim) if claim else None
+    dv_spec = _spec(dv)
+    request = (((dv_spec.get("storage") or dv_spec.get("pvc") or {}).get("resources") or {}).get("requests")
+               or {}).get("storage")
+    if not request:
+        return None
+    return {"claimName": claim, "accessModes": ["ReadWriteOnce"], "volumeMode": "Filesystem",
+            "capacity": {"storage": request}, "requests": {"storage": request}, "filesystemOverhead": "0.055"}
+
+
 def volume_statuses(vmi: Obj, datavolume: Callable[[str], Obj | None]) -> list[Obj]:
     """status.volumeStatus: one entry per volume; hotplugged ones go Pending/Bound → Ready once the
     DataVolume behind their claim has Succeeded (kubesim has no PVC kind: a claim is its DataVolume)."""
@@ -660,6 +676,9 @@ def volume_statuses(vmi: Obj, datavolume: Callable[[str], Obj | None]) -> list[O
         if not is_declarative_hotplug(v):
             if name in targets:
                 entry["target"] = targets[name]
+            info = claim_info(v, datavolume)
+            if info:
+                entry["persistentVolumeClaimInfo"] = info
             out.append(entry)
             continue
         claim = claim_of(v)

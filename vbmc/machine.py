@@ -118,7 +118,8 @@ class Nic:
 class Disk:
     name: str
     kind: str = "disk"  # disk or cdrom
-    size_bytes: int | None = None
+    size_bytes: int | None = None  # None: not known (a containerDisk), never a guess
+    bus: str = ""  # virtio, sata, scsi, usb (KubeVirt's disk bus)
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,8 @@ class Inventory:
     disks: tuple[Disk, ...] = ()
     firmware: BootMode = BootMode.UEFI
     secure_boot: bool = False
+    architecture: str = "amd64"  # KubeVirt's spec.architecture: amd64, arm64, s390x, ppc64le
+    model: str = ""  # the instancetype, else the machine type (q35)
 
     @property
     def cpu_count(self) -> int:

@@ -107,7 +107,8 @@ def inventory(vm: Obj, vmi: Obj | None) -> Inventory:
     devices = domain.get("devices") or {}
     nics = tuple(Nic(i["name"], str(i.get("macAddress") or seen_macs.get(i["name"]) or ""))
                  for i in devices.get("interfaces") or [])
-    disks = tuple(Disk(d["name"], "cdrom" if "cdrom" in d else "disk") for d in devices.get("disks") or [])
+    sizes = disk_sizes(vm, vmi)
+    disks = tuple(_disk(d, sizes.get(str(d["name"]))) for d in devices.get("disks") or [])
     meta = vm.get("metadata") or {}
     firmware = domain.get("firmware") or {}
     return Inventory(
@@ -116,7 +117,60 @@ def inventory(vm: Obj, vmi: Obj | None) -> Inventory:
         cpu_sockets=int(cpu.get("sockets") or 1), cpu_cores=int(cpu.get("cores") or 1),
         cpu_threads=int(cpu.get("threads") or 1), memory_bytes=memory, nics=nics, disks=disks,
         firmware=boot_mode(spec), secure_boot=secure_boot(spec),
+        architecture=str(spec.get("architecture") or ((vmi or {}).get("spec") or {}).get("architecture")
+                         or "amd64"),
+        model=model(vm, vmi),
     )
+
+
+def _disk(disk: Obj, size: int | None) -> Disk:
+    kind = next((k for k in ("cdrom", "disk", "lun") if k in disk), "disk")
+    bus = str((disk.get(kind) or {}).get("bus") or ("sata" if kind == "cdrom" else "virtio"))
+    return Disk(str(disk["name"]), "cdrom" if kind == "cdrom" else "disk", size, bus)
+
+
+def disk_sizes(vm: Obj, vmi: Obj | None) -> dict[str, int]:
+    """volume name -> bytes, where the cluster says: the bound claim's capacity in the running VMI's volumeStatus
+    (persistentVolumeClaimInfo, what virt-controller read from the PVC); else what the VM asks for (its
+    dataVolumeTemplates' storage request, an emptyDisk's capacity, a hostDisk's). A containerDisk has no size
+    anyone states: absent."""
+    spec = template_spec(vm)
+    requested: dict[str, int] = {}
+    for template in (vm.get("spec") or {}).get("dataVolumeTemplates") or []:
+        dv_spec = template.get("spec") or {}
+        claim = dv_spec.get("storage") or dv_spec.get("pvc") or {}
+        size = quantity_bytes(((claim.get("resources") or {}).get("requests") or {}).get("storage"))
+        if size:
+            requested[str((template.get("metadata") or {}).get("name"))] = size
+    sizes: dict[str, int] = {}
+    for volume in spec.get("volumes") or []:
+        name = str(volume.get("name"))
+        source = volume.get("dataVolume") or volume.get("persistentVolumeClaim") or {}
+        claim = str(source.get("name") or source.get("claimName") or "")
+        size = requested.get(claim) or quantity_bytes((volume.get("emptyDisk") or {}).get("capacity")) \
+            or quantity_bytes((volume.get("hostDisk") or {}).get("capacity"))
+        if size:
+            sizes[name] = size
+    for status in ((vmi or {}).get("status") or {}).get("volumeStatus") or []:
+        capacity = quantity_bytes(((status.get("persistentVolumeClaimInfo") or {}).get("capacity") or {})
+                                  .get("storage"))
+        if capacity:
+            sizes[str(status.get("name"))] = capacity
+    return sizes
+
+
+def model(vm: Obj, vmi: Obj | None) -> str:
+    """What a VM honestly is, as a model name: its instancetype, else its machine type (KubeVirt's default q35 on
+    amd64, virt on arm64, s390-ccw-virtio on s390x)."""
+    instancetype = (vm.get("spec") or {}).get("instancetype") or {}
+    if instancetype.get("name"):
+        return str(instancetype["name"])
+    for spec in (template_spec(vm), (vmi or {}).get("spec") or {}):
+        machine_type = ((spec.get("domain") or {}).get("machine") or {}).get("type")
+        if machine_type:
+            return str(machine_type)
+    arch = template_spec(vm).get("architecture") or "amd64"
+    return {"arm64": "virt", "s390x": "s390-ccw-virtio", "ppc64le": "pseries"}.get(str(arch), "q35")
 
 
 def running_since(vmi: Obj | None) -> float | None:

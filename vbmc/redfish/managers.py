@@ -54,7 +54,7 @@ def blueprint(svc: Service) -> Blueprint:
     def drive(name: str) -> Response:
         for d in resources.disks(machine.inventory()):
             if d.name == name:
-                return svc.send_doc("Drive", resources.drive(ids, d.name, d.size_bytes))
+                return svc.send_doc("Drive", resources.drive(ids, d))
         raise not_found(request.path)
 
     return bp

@@ -14,6 +14,7 @@ from ..audit import redact_url
 from ..machine import (
     BootOverride,
     BootTarget,
+    Disk,
     Health,
     HealthState,
     Inventory,
@@ -49,6 +50,8 @@ SCHEMAS: dict[str, str] = {
     "Drive": "v1_22_0",
     "ManagerNetworkProtocol": "v1_12_0",
     "SecureBoot": "v1_1_2",
+    "StorageController": "v1_11_0",
+    "Volume": "v1_10_2",
     "EventService": "v1_12_0",
     "EventDestination": "v1_16_0",
     "Event": "v1_13_0",
@@ -56,6 +59,7 @@ SCHEMAS: dict[str, str] = {
 COLLECTIONS = ("ComputerSystemCollection", "ManagerCollection", "ChassisCollection", "VirtualMediaCollection",
                "SessionCollection", "ManagerAccountCollection", "RoleCollection", "EthernetInterfaceCollection",
                "ProcessorCollection", "MemoryCollection", "SimpleStorageCollection", "StorageCollection",
+               "StorageControllerCollection", "VolumeCollection",
                "DriveCollection", "EventDestinationCollection")
 # Referenced by the schemas above (annotations, shared types); $metadata lists them too.
 SUPPORT_SCHEMAS = ("Resource", "RedfishExtensions", "Message", "Privileges")
@@ -243,7 +247,7 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
     doc.update({
         "SystemType": "Virtual",
         "Manufacturer": "KubeVirt",
-        "Model": "KubeVirt VirtualMachine",
+        "Model": inv.model or "KubeVirt VirtualMachine",
         "SerialNumber": inv.serial,
         "HostName": inv.name,
         "UUID": inv.uuid,
@@ -306,13 +310,20 @@ def ethernet_interface(ids: Ids, name: str, mac: str, power: PowerState) -> dict
     return doc
 
 
+# KubeVirt's spec.architecture -> DMTF's (ProcessorArchitecture, InstructionSet).
+ARCHITECTURES = {"amd64": ("x86", "x86-64"), "arm64": ("ARM", "ARM-A64"), "ppc64le": ("Power", "PowerISA"),
+                 "s390x": ("OEM", "OEM")}
+
+
 def processors(ids: Ids, inv: Inventory) -> list[str]:
     return [f"{ids.system}/Processors/CPU{i}" for i in range(inv.cpu_sockets)]
 
 
 def processor(ids: Ids, inv: Inventory, index: int) -> dict[str, Any]:
     doc = _head("Processor", f"{ids.system}/Processors/CPU{index}", f"CPU{index}", f"vCPU socket {index}")
-    doc.update({"Socket": f"CPU {index}", "ProcessorType": "CPU", "TotalCores": inv.cpu_cores,
+    architecture, instruction_set = ARCHITECTURES.get(inv.architecture, ("OEM", "OEM"))
+    doc.update({"Socket": f"CPU {index}", "ProcessorType": "CPU", "ProcessorArchitecture": architecture,
+                "InstructionSet": instruction_set, "TotalCores": inv.cpu_cores,
                 "TotalThreads": inv.cpu_cores * inv.cpu_threads, "TotalEnabledCores": inv.cpu_cores,
                 "Status": _status()})
     return doc
@@ -333,8 +344,8 @@ def disks(inv: Inventory) -> list[Any]:
 
 def simple_storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
     doc = _head("SimpleStorage", f"{ids.system}/SimpleStorage/{STORAGE_ID}", STORAGE_ID, "Virtual disks")
-    doc.update({"Devices": [{"Name": d.name, "CapacityBytes": d.size_bytes, "Status": _status()}
-                            for d in disks(inv)],
+    doc.update({"Devices": [{"Name": d.name, "CapacityBytes": d.size_bytes, "Manufacturer": "KubeVirt",
+                             "Model": f"{d.bus or 'virtio'} disk", "Status": _status()} for d in disks(inv)],
                 "Status": _status()})
     return doc
 
@@ -348,13 +359,44 @@ def storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
     path = f"{ids.system}/Storage/{STORAGE_ID}"
     doc = _head("Storage", path, STORAGE_ID, "Virtual disks")
     drives = [link(p) for p in drive_paths(ids, inv)]
-    doc.update({"Drives@odata.count": len(drives), "Drives": drives, "Status": _status()})
+    doc.update({"Drives@odata.count": len(drives), "Drives": drives, "Status": _status(),
+                "Controllers": link(f"{path}/Controllers"), "Volumes": link(f"{path}/Volumes")})
     return doc
 
 
-def drive(ids: Ids, name: str, size: int | None) -> dict[str, Any]:
-    doc = _head("Drive", f"{ids.chassis}/Drives/{name}", name, f"Disk {name}")
-    doc.update({"CapacityBytes": size, "Status": _status()})
+# KubeVirt disk bus -> DMTF Protocol. virtio-blk and virtio-scsi are PCIe devices on the VM's bus.
+PROTOCOLS = {"virtio": "PCIe", "scsi": "PCIe", "sata": "SATA", "usb": "USB"}
+CONTROLLER_ID = "1"
+
+
+def storage_controller(ids: Ids, inv: Inventory) -> dict[str, Any]:
+    """The VM's disk controllers as one: what its disks are attached through. No RAID: a VM's disks are volumes
+    the cluster provides, each one its own."""
+    path = f"{ids.system}/Storage/{STORAGE_ID}/Controllers/{CONTROLLER_ID}"
+    doc = _head("StorageController", path, CONTROLLER_ID, "Virtual disk controller")
+    protocols = sorted({PROTOCOLS.get(d.bus, "PCIe") for d in disks(inv)})
+    doc.update({"Status": _status(), "SupportedControllerProtocols": ["PCIe"],
+                "SupportedDeviceProtocols": protocols, "SupportedRAIDTypes": []})
+    return doc
+
+
+def volume_paths(ids: Ids, inv: Inventory) -> list[str]:
+    return [f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{d.name}" for d in disks(inv)]
+
+
+def volume(ids: Ids, disk: Disk) -> dict[str, Any]:
+    doc = _head("Volume", f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{disk.name}", disk.name, disk.name)
+    doc.update({"CapacityBytes": disk.size_bytes, "RAIDType": "None", "Status": _status(),
+                "Links": {"Drives": [link(f"{ids.chassis}/Drives/{disk.name}")]}})
+    return doc
+
+
+def drive(ids: Ids, disk: Disk) -> dict[str, Any]:
+    """MediaType: DMTF has no value for a virtual disk; SSD says what Ironic asks it for (not rotational: no seek
+    time of its own). Protocol: the disk's bus."""
+    doc = _head("Drive", f"{ids.chassis}/Drives/{disk.name}", disk.name, f"Disk {disk.name}")
+    doc.update({"CapacityBytes": disk.size_bytes, "MediaType": "SSD", "Protocol": PROTOCOLS.get(disk.bus, "PCIe"),
+                "Manufacturer": "KubeVirt", "Model": f"{disk.bus or 'virtio'} disk", "Status": _status()})
     return doc
 
 
@@ -425,7 +467,7 @@ def chassis(ids: Ids, inv: Inventory, power: PowerState, health: Health) -> dict
         # A virtual machine has no enclosure; "Other" is the honest ChassisType.
         "ChassisType": "Other",
         "Manufacturer": "KubeVirt",
-        "Model": "KubeVirt VirtualMachine",
+        "Model": inv.model or "KubeVirt VirtualMachine",
         "SerialNumber": inv.serial,
         "PowerState": "On" if on else "Off",
         "Status": _status(health.state),

@@ -154,4 +154,30 @@ def blueprint(svc: Service) -> Blueprint:
 
     storage_routes("SimpleStorage", "Simple Storage", "simple_storage", resources.simple_storage)
     storage_routes("Storage", "Storage", "storage", resources.storage)
+    storage = f"{ids.system}/Storage/{resources.STORAGE_ID}"
+
+    @route(bp, f"{storage}/Controllers")
+    def controllers() -> Response:
+        return svc.static("controllers", "StorageControllerCollection", lambda: resources.collection(
+            "StorageControllerCollection", f"{storage}/Controllers", "Storage Controllers",
+            [f"{storage}/Controllers/{resources.CONTROLLER_ID}"]))
+
+    @route(bp, f"{storage}/Controllers/{resources.CONTROLLER_ID}")
+    def controller() -> Response:
+        inv = machine.inventory()
+        return svc.send(cache.get("controller", "StorageController", inv,
+                                  lambda: resources.storage_controller(ids, inv)))
+
+    @route(bp, f"{storage}/Volumes")
+    def volumes() -> Response:
+        inv = machine.inventory()
+        return svc.send(cache.get("volumes", "VolumeCollection", inv, lambda: resources.collection(
+            "VolumeCollection", f"{storage}/Volumes", "Volumes", resources.volume_paths(ids, inv))))
+
+    @route(bp, f"{storage}/Volumes/<name>")
+    def volume(name: str) -> Response:
+        found = next((d for d in resources.disks(machine.inventory()) if d.name == name), None)
+        if found is None:
+            raise not_found(request.path)
+        return svc.send_doc("Volume", resources.volume(ids, found))
     return bp
