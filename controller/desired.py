@@ -145,6 +145,11 @@ def desired_role(bmc: Obj, vm: str, cdroms: list[str]) -> Obj:
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [events_secret_name(vm)],
          "verbs": ["get", "update", "patch"]},
     ]
+    ca_map = BMCSpec.of(bmc).redfish.virtual_media.tls.ca_bundle_config_map_ref
+    if ca_map is not None:
+        # The image servers' CA bundle, read when checking an image URL (the import itself reads it as CDI).
+        rules.append({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [ca_map.name],
+                      "verbs": ["get"]})
     if dvs:
         rules.append({"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "resourceNames": dvs,
                       "verbs": ["get", "delete"]})

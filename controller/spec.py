@@ -27,10 +27,25 @@ class RedfishTLS(_Model):
     secret_ref: NameRef | None = Field(default=None, alias="secretRef")
 
 
+class MediaStorage(_Model):
+    storage_class_name: str | None = Field(default=None, alias="storageClassName")
+    volume_mode: Literal["Filesystem", "Block"] | None = Field(default=None, alias="volumeMode")
+
+
+class MediaTLS(_Model):
+    ca_bundle_config_map_ref: NameRef | None = Field(default=None, alias="caBundleConfigMapRef")
+
+
+class VirtualMedia(_Model):
+    storage: MediaStorage = Field(default_factory=MediaStorage)
+    tls: MediaTLS = Field(default_factory=MediaTLS)
+
+
 class Redfish(_Model):
     enabled: bool = True
     tls: RedfishTLS = Field(default_factory=RedfishTLS)
     require_tls: bool = Field(default=False, alias="requireTLS")
+    virtual_media: VirtualMedia = Field(default_factory=VirtualMedia, alias="virtualMedia")
 
 
 class ServiceOptions(_Model):

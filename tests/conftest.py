@@ -196,3 +196,13 @@ def controller(sim: Sim, bmc_crd: None, tmp_path_factory: pytest.TempPathFactory
     proc = ControllerProcess(sim.kubeconfig, tmp_path_factory.mktemp("controller") / "controller.log")
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def image_server() -> Iterator[Any]:
+    """A loopback image server (tests/images.py): the agent checks an image before inserting it."""
+    from .images import ImageServer
+
+    server = ImageServer(2**30)
+    yield server
+    server.close()

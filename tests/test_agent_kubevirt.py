@@ -263,16 +263,17 @@ def test_redfish_push_power_button_pause_and_resume(agent: AgentProcess, api: cl
 
 
 def test_sushy_virtual_media_inserts_a_datavolume_on_the_cdrom(agent: AgentProcess, system: Any, api: client.ApiClient,
-        namespace: str) -> None:
+        namespace: str, image_server: Any) -> None:
+    image = f"{image_server.base}/installer.iso"
     media = system.virtual_media.get_members()[0]
-    media.insert_media("http://images.example.com/installer.iso", inserted=True, write_protected=True)
+    media.insert_media(image, inserted=True, write_protected=True)
     volumes = get_vm(api, namespace)["spec"]["template"]["spec"]["volumes"]
     assert {"name": "cdrom", "dataVolume": {"name": "vm-cdrom", "hotpluggable": True}} in volumes
     dv = call(api, "GET", f"/apis/cdi.kubevirt.io/v1beta1/namespaces/{namespace}/datavolumes/vm-cdrom").body
-    assert dv["spec"]["source"]["http"]["url"] == "http://images.example.com/installer.iso"
+    assert dv["spec"]["source"]["http"]["url"] == image
     assert dv["metadata"]["ownerReferences"][0]["kind"] == "VirtualMachineBMC"
     media.refresh()
-    assert media.inserted and media.image == "http://images.example.com/installer.iso"
+    assert media.inserted and media.image == image
     media.eject_media()
     volumes = get_vm(api, namespace)["spec"]["template"]["spec"]["volumes"]
     assert all(v["name"] != "cdrom" for v in volumes)

@@ -162,7 +162,7 @@ def test_filters_hold_back_what_they_exclude(agent: AgentProcess) -> None:
         power(agent, "On")
         status, _ = agent.redfish("POST", "/redfish/v1/Managers/BMC/VirtualMedia/Cd/Actions/VirtualMedia.InsertMedia",
                                   {"Image": "http://images.example.com/boot.iso"})
-        assert status == 204
+        assert status == 202  # a Task (the memory backend has nothing to import: it completes at once)
         wait_for(lambda: media_rx.records(), what="the media event")
         wait_for(lambda: system_rx.records(), what="the power event")
         # A test event from the VirtualMedia, as the last one: once it is in, nothing earlier is still on its way.

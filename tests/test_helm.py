@@ -311,7 +311,9 @@ def test_the_cluster_role_holds_exactly_what_the_controller_and_its_agents_need(
         own[(kind.group, kind.plural)] = {"list", "watch", "create", "patch"}
     own[("apps", "deployments")].add("delete")
     # What it grants each agent, so the RBAC escalation check lets it create that Role (held, not `escalate`).
-    bmc = {"metadata": {"name": "b", "namespace": "ns", "uid": "u"}, "spec": {"virtualMachineRef": {"name": "vm"}}}
+    bmc = {"metadata": {"name": "b", "namespace": "ns", "uid": "u"}, "spec": {
+        "virtualMachineRef": {"name": "vm"},
+        "redfish": {"virtualMedia": {"tls": {"caBundleConfigMapRef": {"name": "image-ca"}}}}}}
     agents = rules_by_resource(desired.desired_role(bmc, "vm", ["cdrom"])["rules"])
     needed = {key: own.get(key, set()) | agents.get(key, set()) for key in own.keys() | agents.keys()}
 

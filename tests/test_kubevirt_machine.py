@@ -194,14 +194,16 @@ def test_boot_mode_switches_the_bootloader(api: client.ApiClient, namespace: str
     assert "efi" in firmware["bootloader"]
 
 
-def test_virtual_media_insert_and_eject(api: client.ApiClient, namespace: str, machine: KubeVirtMachine) -> None:
-    machine.insert_media("http://images.example.com/installer.iso")
+def test_virtual_media_insert_and_eject(api: client.ApiClient, namespace: str, machine: KubeVirtMachine,
+                                       image_server: Any) -> None:
+    image = f"{image_server.base}/installer.iso"
+    machine.insert_media(image)
     volumes = get_vm(api, namespace)["spec"]["template"]["spec"]["volumes"]
     assert {"name": "cdrom", "dataVolume": {"name": "vm-cdrom", "hotpluggable": True}} in volumes
     wait_for(lambda: machine.virtual_media().state == MediaState.INSERTED, timeout=5, what="imported")
-    assert machine.virtual_media().image == "http://images.example.com/installer.iso"
+    assert machine.virtual_media().image == image
     with pytest.raises(InvalidRequest):
-        machine.insert_media("http://images.example.com/other.iso")
+        machine.insert_media(f"{image_server.base}/other.iso")
     machine.eject_media()
     assert not machine.virtual_media().inserted
     dv = call(api, "GET", f"/apis/cdi.kubevirt.io/v1beta1/namespaces/{namespace}/datavolumes/vm-cdrom")

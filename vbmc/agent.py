@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from . import vmstate
 from .machine import Machine
 from .throttle import Engaged, LoginThrottle
 
@@ -48,6 +49,7 @@ class AgentConfig:
     subscriptions_secret: str = ""  # where Redfish event subscriptions are kept; empty: in memory
     event_ca_file: str = ""  # CA certificates, besides the system's, for HTTPS event destinations
     redfish_require_tls: bool = False  # refuse credentials over plain HTTP
+    media_max_size: int = 64 * 2**30  # the largest image virtual media imports
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("true", "false"),
                         help="refuse Redfish credentials (Basic, session login, session tokens) that come over plain "
                              "HTTP; the service root stays readable there (default %(default)s)")
+    parser.add_argument("--media-max-size", default=env("VBMC_MEDIA_MAX_SIZE", "64Gi"), metavar="QUANTITY",
+                        help="the largest image virtual media imports; a larger one is refused before anything is "
+                             "created (default %(default)s)")
     parser.add_argument("--tls-cert", default=env("VBMC_TLS_CERT", ""), metavar="FILE")
     parser.add_argument("--tls-key", default=env("VBMC_TLS_KEY", ""), metavar="FILE")
     parser.add_argument("--subscriptions-secret", default=env("VBMC_SUBSCRIPTIONS_SECRET", ""), metavar="NAME",
@@ -102,6 +107,8 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
         problems.append("--redfish-tls-address needs --tls-cert and --tls-key")
     if args.subscriptions_secret and args.backend != "kubevirt":
         problems.append("--subscriptions-secret needs the kubevirt backend")
+    if vmstate.quantity_bytes(args.media_max_size) <= 0:
+        problems.append(f"--media-max-size {args.media_max_size!r} is not a size (such as 64Gi)")
     for path in (args.tls_cert, args.tls_key, args.event_ca_file):
         if path and not os.path.exists(path):
             problems.append(f"{path} does not exist")
@@ -113,7 +120,8 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
                        redfish_tls_address=args.redfish_tls_address,
                        tls_cert=args.tls_cert, tls_key=args.tls_key, kubeconfig=args.kubeconfig,
                        threads=args.threads, subscriptions_secret=args.subscriptions_secret,
-                       event_ca_file=args.event_ca_file, redfish_require_tls=args.redfish_require_tls == "true")
+                       event_ca_file=args.event_ca_file, redfish_require_tls=args.redfish_require_tls == "true",
+                       media_max_size=vmstate.quantity_bytes(args.media_max_size))
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -161,7 +169,7 @@ class Agent:
         # Connections at once: three watch streams, their three probes (vbmc/watchcache.py) and a write. A smaller
         # pool would open a new TLS connection for a probe and throw it away afterwards, every few seconds.
         client = self.kube = KubeClient(load_credentials(c.kubeconfig or None), maxsize=8)
-        machine = KubeVirtMachine(client, c.namespace, c.vm, c.vmbmc)
+        machine = KubeVirtMachine(client, c.namespace, c.vm, c.vmbmc, media_max_size=c.media_max_size)
         machine.start()
         if not machine.wait_ready(10):
             log.warning("agent: the API server has not answered yet; serving and retrying")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from . import audit, bootorder, firmware, vmstate
+from . import audit, bootorder, firmware, imagecheck, vmstate
 from .kube import KubeClient, KubeError, Unreachable, merge_patched
 from .machine import (
     BackendUnavailable,
@@ -25,6 +25,7 @@ from .machine import (
     BootOverride,
     BootTarget,
     Health,
+    ImageUnusable,
     InvalidRequest,
     Inventory,
     Machine,
@@ -54,17 +55,20 @@ SUPPORTED_RESETS = (ResetType.ON, ResetType.FORCE_ON, ResetType.FORCE_OFF, Reset
                     ResetType.GRACEFUL_RESTART, ResetType.FORCE_RESTART, ResetType.POWER_CYCLE,
                     ResetType.PUSH_POWER_BUTTON, ResetType.PAUSE, ResetType.RESUME)
 _ON_STATES = (PowerState.ON, PowerState.PAUSED, PowerState.POWERING_ON)
+# The power actions that boot the VM (a restart in place, VMI reset, keeps the running domain: no new medium).
+_BOOTS = (ResetType.ON, ResetType.FORCE_ON, ResetType.POWER_CYCLE, ResetType.PUSH_POWER_BUTTON,
+          ResetType.FORCE_RESTART, ResetType.GRACEFUL_RESTART)
 
 
 class KubeVirtMachine(Machine):
     def __init__(self, client: KubeClient, namespace: str, vm: str, vmbmc: str = "", *,
-                 deadline: float = 1.5, media_size: str = "2Gi") -> None:
+                 deadline: float = 1.5, media_max_size: int = 64 * 2**30) -> None:
         self.client = client
         self.namespace = namespace
         self.name = vm
         self.vmbmc = vmbmc
         self.deadline = deadline
-        self.media_size = media_size
+        self.media_max_size = media_max_size
         ns = f"/namespaces/{namespace}"
         self.vm_path = f"{KUBEVIRT}{ns}/virtualmachines/{vm}"
         self.vmi_path = f"{KUBEVIRT}{ns}/virtualmachineinstances/{vm}"
@@ -250,8 +254,26 @@ class KubeVirtMachine(Machine):
     def reset(self, reset_type: ResetType) -> None:
         if reset_type not in SUPPORTED_RESETS:
             raise Unsupported(f"{reset_type} is not supported: KubeVirt has no NMI")
+        if reset_type in _BOOTS:
+            self._wait_for_imports()
         if self._reset(reset_type):
             self._event("PowerAction", f"power action {reset_type}")
+
+    def _wait_for_imports(self) -> None:
+        """A boot never starts without an inserted medium: while one is still being imported, wait for it within
+        the deadline, then answer busy (IPMI 0xC0, Redfish 503 with Retry-After) and let the client retry."""
+        deadline = time.monotonic() + self.deadline
+        while True:
+            importing = [m for m in (self.virtual_media(slot) for slot in self.media_slots())
+                         if m.state == MediaState.INSERTING]
+            if not importing:
+                return
+            if time.monotonic() >= deadline:
+                medium = importing[0]
+                done = f" ({medium.progress}% done)" if medium.progress is not None else ""
+                raise BackendUnavailable(f"the virtual medium in {medium.slot} is still being imported{done}: the "
+                                         "machine powers on once it is in", retry_after=5)
+            time.sleep(0.1)
 
     def _reset(self, reset_type: ResetType) -> bool:
         """The power action; False when the VM already was where it asked for (nothing was done)."""
@@ -498,7 +520,7 @@ class KubeVirtMachine(Machine):
             return VirtualMedia(slot)
         volume = found[1]
         dv_name = (volume.get("dataVolume") or {}).get("name", "")
-        image, state, message = "", MediaState.INSERTED, ""
+        image, state, message, progress = "", MediaState.INSERTED, "", None
         if dv_name:
             try:
                 dv = self.client.request("GET", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
@@ -515,7 +537,8 @@ class KubeVirtMachine(Machine):
                                 if c.get("type") == "Running"), "import failed")
             elif dv and phase != "Succeeded":
                 state = MediaState.INSERTING
-        return VirtualMedia(slot, image, True, True, state, message)
+                progress = _percent((dv.get("status") or {}).get("progress"))
+        return VirtualMedia(slot, image, state != MediaState.FAILED, True, state, message, progress)
 
     def insert_media(self, image: str, slot: str = "Cd", write_protected: bool = True) -> None:
         if not image.startswith(("http://", "https://")):
@@ -525,6 +548,27 @@ class KubeVirtMachine(Machine):
             disk = self._drive(vm, slot)
             if self._volume(vm, disk) is not None:
                 raise InvalidRequest("a medium is already inserted: eject it first")
+            options = (((self.bmc_watch.obj if self.bmc_watch is not None else None) or {}).get("spec") or {}).get(
+                "redfish", {}).get("virtualMedia") or {}
+            storage_opts = options.get("storage") or {}
+            ca_map = ((options.get("tls") or {}).get("caBundleConfigMapRef") or {}).get("name", "")
+            try:
+                info = imagecheck.check(image, self._ca_bundle(ca_map) if ca_map else "")
+            except imagecheck.ImageProblem as exc:
+                raise ImageUnusable(str(exc)) from None
+            if info.size is not None and info.size > self.media_max_size:
+                raise ImageUnusable(f"the image is {info.size / 2**30:.1f} GiB, more than this BMC imports "
+                                    f"({self.media_max_size / 2**30:.0f} GiB, the agent's --media-max-size)")
+            block = storage_opts.get("volumeMode") == "Block"
+            storage: Obj = {"resources": {"requests": {"storage": imagecheck.quantity(
+                imagecheck.claim_size(info, block))}}}
+            if storage_opts.get("storageClassName"):
+                storage["storageClassName"] = storage_opts["storageClassName"]
+            if storage_opts.get("volumeMode"):
+                storage["volumeMode"] = storage_opts["volumeMode"]
+            http_source: Obj = {"url": image}
+            if ca_map:
+                http_source["certConfigMap"] = ca_map
             owner = self.bmc_watch.obj if self.bmc_watch is not None and self.bmc_watch.obj else vm
             dv_name = self._dv_name(disk)
             dv = {
@@ -534,8 +578,7 @@ class KubeVirtMachine(Machine):
                              "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
                                                   "name": owner["metadata"]["name"],
                                                   "uid": owner["metadata"]["uid"]}]},
-                "spec": {"source": {"http": {"url": image}},
-                         "storage": {"resources": {"requests": {"storage": self.media_size}}}},
+                "spec": {"source": {"http": http_source}, "storage": storage},
             }
             try:
                 self._call("POST", f"{CDI}/namespaces/{self.namespace}/datavolumes", dv)
@@ -553,6 +596,16 @@ class KubeVirtMachine(Machine):
                 else [{"op": "add", "path": "/spec/template/spec/volumes/-", "value": volume}])
             self._patch_vm(ops)
             self._event("VirtualMediaInserted", f"inserted {audit.redact_url(image)} into {disk}")
+
+    def _ca_bundle(self, name: str) -> str:
+        """The PEM certificates of the ConfigMap the VirtualMachineBMC names (CDI's certConfigMap takes the same)."""
+        try:
+            cm = self.client.request("GET", f"/api/v1/namespaces/{self.namespace}/configmaps/{name}", timeout=1.0)
+        except KubeError as exc:
+            raise ImageUnusable(f"the CA bundle ConfigMap {name} cannot be read: {exc.message}") from None
+        except Unreachable as exc:
+            raise BackendUnavailable(str(exc)) from exc
+        return "\n".join(str(v) for v in ((cm or {}).get("data") or {}).values())
 
     def eject_media(self, slot: str = "Cd") -> None:
         with self._lock:
@@ -575,6 +628,15 @@ def _restored_firmware_ops(vm: Obj, record: Obj, otherwise: list[Obj]) -> list[O
     if not record.get("originalFirmware"):
         return otherwise
     return firmware.firmware_ops(vm, firmware.Firmware.from_status(record["originalFirmware"]))
+
+
+def _percent(value: Any) -> int | None:
+    """CDI's progress ("37.50%", "N/A") as a whole percentage; None when it says nothing."""
+    text = str(value or "").rstrip("%")
+    try:
+        return max(0, min(100, int(float(text))))
+    except ValueError:
+        return None
 
 
 def _not_running(exc: KubeError) -> bool:

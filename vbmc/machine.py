@@ -106,6 +106,7 @@ class VirtualMedia:
     write_protected: bool = True
     state: MediaState = MediaState.EJECTED
     message: str = ""
+    progress: int | None = None  # percent of the import done, while INSERTING (None: not known)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,10 @@ class Unsupported(MachineError):
 
 class InvalidRequest(MachineError):
     """The request is malformed or not allowed in the current state (IPMI 0xCC/0xD5, Redfish 400/409)."""
+
+
+class ImageUnusable(InvalidRequest):
+    """An image cannot be inserted (not there, too large, its server not trusted); nothing was created."""
 
 
 class BackendUnavailable(MachineError):

@@ -26,7 +26,7 @@ from .. import audit
 from ..eventservice import EventService, SubscriptionStore
 from ..machine import BackendUnavailable, Machine, MachineError, Unsupported
 from ..throttle import LoginThrottle
-from . import accounts, events, managers, media, resources, systems
+from . import accounts, events, managers, media, resources, systems, tasks
 from .errors import RedfishError, not_found
 from .resources import ROOT, SSE_URI, Ids
 from .service import JSON_TYPE, ODATA_HEADERS, Service
@@ -43,7 +43,7 @@ except Exception:  # not installed as a distribution (a source checkout): still 
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 DEFAULT_PORTS = {"HTTP": 80, "HTTPS": 443, "IPMI": 623}  # what the agent's Service exposes (DESIGN.md 5)
-FAMILIES = (accounts, systems, managers, media, events)
+FAMILIES = (accounts, tasks, systems, managers, media, events)
 
 
 def create_app(machine: Machine, username: str, password: str, *, system_id: str | None = None,

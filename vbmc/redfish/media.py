@@ -10,10 +10,12 @@ from urllib.parse import urlsplit
 
 from flask import Blueprint, Response, request
 
-from ..machine import Unsupported
+from ..machine import ImageUnusable, Unsupported
 from . import payloads, resources
 from .errors import RedfishError, not_found
+from .resources import TASKS
 from .service import Rendered, Service
+from .tasks import follow
 
 MAX_IMAGE_URL = 2048
 # RFC 3986 reg-name, ASCII only (an internationalised host name is given in its punycode form).
@@ -68,8 +70,12 @@ def blueprint(svc: Service) -> Blueprint:
                     check_image(patch.Image, "Image", None)
                     if machine.virtual_media(slot).inserted:
                         machine.eject_media(slot)  # PATCHing a new Image replaces the medium, as on a real BMC
-                    machine.insert_media(patch.Image, slot,
-                                         True if patch.WriteProtected is None else patch.WriteProtected)
+                    try:
+                        machine.insert_media(patch.Image, slot,
+                                             True if patch.WriteProtected is None else patch.WriteProtected)
+                    except ImageUnusable as exc:
+                        raise RedfishError(400, "PropertyValueConflict", "Image", "Inserted", detail=str(exc),
+                                           related="#/Image") from None
                 elif patch.Inserted and not machine.virtual_media(slot).inserted:
                     raise RedfishError(400, "PropertyMissing", "Image", related="#/Image")
             except Unsupported as exc:
@@ -98,8 +104,15 @@ def blueprint(svc: Service) -> Blueprint:
         if not parsed.Inserted:
             raise RedfishError(400, "ActionParameterValueNotInList", "false", "Inserted", action,
                                detail="Only Inserted=true is supported.", related="#/Inserted")
-        machine.insert_media(parsed.Image, slot, parsed.WriteProtected)
-        return svc.no_content()
+        try:
+            machine.insert_media(parsed.Image, slot, parsed.WriteProtected)
+        except ImageUnusable as exc:
+            # Nothing was created; the client hears why through the task it follows, as for a failed import.
+            task = svc.tasks.add(slot, parsed.Image)
+            task.end("Exception", f"The image cannot be inserted: {exc}")
+        else:
+            task = follow(svc.tasks.add(slot, parsed.Image), machine)
+        return svc.send_doc("Task", resources.task(task), 202, headers={"Location": f"{TASKS}/{task.id}"})
 
     def eject_media(base: str, slot: str) -> Response:
         check_drive(base, slot, "VirtualMedia.EjectMedia")

@@ -51,6 +51,8 @@ SCHEMAS: dict[str, str] = {
     "ManagerNetworkProtocol": "v1_12_0",
     "SecureBoot": "v1_1_2",
     "StorageController": "v1_11_0",
+    "Task": "v1_7_4",
+    "TaskService": "v1_3_0",
     "Volume": "v1_10_2",
     "EventService": "v1_12_0",
     "EventDestination": "v1_16_0",
@@ -59,7 +61,7 @@ SCHEMAS: dict[str, str] = {
 COLLECTIONS = ("ComputerSystemCollection", "ManagerCollection", "ChassisCollection", "VirtualMediaCollection",
                "SessionCollection", "ManagerAccountCollection", "RoleCollection", "EthernetInterfaceCollection",
                "ProcessorCollection", "MemoryCollection", "SimpleStorageCollection", "StorageCollection",
-               "StorageControllerCollection", "VolumeCollection",
+               "StorageControllerCollection", "VolumeCollection", "TaskCollection",
                "DriveCollection", "EventDestinationCollection")
 # Referenced by the schemas above (annotations, shared types); $metadata lists them too.
 SUPPORT_SCHEMAS = ("Resource", "RedfishExtensions", "Message", "Privileges")
@@ -176,6 +178,7 @@ def service_root(ids: Ids, uuid: str, product: str, version: str) -> dict[str, A
         "EventService": link(EVENT_SERVICE),
         "Links": {"Sessions": link(f"{ROOT}/SessionService/Sessions")},
         "ProtocolFeaturesSupported": PROTOCOL_FEATURES,
+        "Tasks": link(TASK_SERVICE),
     })
     return doc
 
@@ -204,7 +207,7 @@ def odata_service(ids: Ids) -> dict[str, Any]:
     singletons = [("Service", f"{ROOT}/"), ("Systems", ids.systems), ("Managers", ids.managers),
                   ("Chassis", ids.chassis_collection), ("SessionService", f"{ROOT}/SessionService"),
                   ("AccountService", f"{ROOT}/AccountService"), ("Sessions", f"{ROOT}/SessionService/Sessions"),
-                  ("EventService", EVENT_SERVICE)]
+                  ("EventService", EVENT_SERVICE), ("TaskService", TASK_SERVICE)]
     return {"@odata.context": METADATA,
             "value": [{"name": n, "kind": "Singleton", "url": u} for n, u in singletons]}
 
@@ -398,6 +401,43 @@ def drive(ids: Ids, disk: Disk) -> dict[str, Any]:
     doc.update({"CapacityBytes": disk.size_bytes, "MediaType": "SSD", "Protocol": PROTOCOLS.get(disk.bus, "PCIe"),
                 "Manufacturer": "KubeVirt", "Model": f"{disk.bus or 'virtio'} disk", "Status": _status()})
     return doc
+
+
+# ---- tasks
+
+TASK_SERVICE = f"{ROOT}/TaskService"
+TASKS = f"{TASK_SERVICE}/Tasks"
+
+
+def task_service() -> dict[str, Any]:
+    doc = _head("TaskService", TASK_SERVICE, "TaskService", "Task Service")
+    doc.update({"ServiceEnabled": True, "CompletedTaskOverWritePolicy": "Oldest",
+                "LifeCycleEventOnTaskStateChange": False, "Status": _status(), "Tasks": link(TASKS)})
+    return doc
+
+
+def task(task: Any) -> dict[str, Any]:
+    """A virtual media insert as a Task (vbmc/redfish/tasks.py)."""
+    doc = _head("Task", f"{TASKS}/{task.id}", task.id, f"Insert {task.shown_image} into {task.slot}")
+    failed = task.state == "Exception"
+    doc.update({
+        "TaskState": task.state,
+        "TaskStatus": "Warning" if failed else "OK",
+        "StartTime": _iso(task.started),
+        "PercentComplete": task.percent,
+        "Messages": [{"MessageId": "Base.1.19.GeneralError" if failed else "Base.1.19.Success",
+                      "Message": task.message or "The image is being imported.",
+                      "Severity": "Warning" if failed else "OK"}],
+    })
+    if task.ended is not None:
+        doc["EndTime"] = _iso(task.ended)
+    return doc
+
+
+def _iso(seconds: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S+00:00")
 
 
 # ---- virtual media

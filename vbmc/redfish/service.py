@@ -30,6 +30,7 @@ from . import payloads, resources
 from .errors import RedfishError
 from .resources import Ids
 from .sessions import SessionStore
+from .tasks import TaskStore
 
 JSON_TYPE = "application/json; charset=utf-8"
 REALM = 'Basic realm="KubeVBMC", charset="UTF-8"'
@@ -92,6 +93,7 @@ class Service:
     session_timeout: int
     require_tls: bool = False  # refuse credentials that come over plain HTTP (spec.redfish.requireTLS)
     events: EventService | None = None  # vbmc/eventservice.py: subscriptions, delivery, SSE
+    tasks: TaskStore = field(default_factory=lambda: TaskStore())
     cache: RenderCache = field(default_factory=RenderCache)
     links: LinkHeaders = field(default_factory=LinkHeaders)
     allow: dict[str, str] = field(default_factory=dict)  # endpoint -> Allow header value
