@@ -118,3 +118,25 @@ def test_an_instancetype_is_the_model_and_unknown_sizes_stay_absent() -> None:
     inv = vmstate.inventory(vm, None)
     assert inv.model == "u1.large"
     assert [(d.name, d.size_bytes) for d in inv.disks] == [("a", None), ("b", 2 * GI)]
+
+
+def test_ironics_raid_interface_creates_a_volume_as_a_blank_disk_for_the_next_boot(
+        agent: AgentProcess, api: client.ApiClient, namespace: str) -> None:
+    volumes = "/redfish/v1/Systems/vm/Storage/1/Volumes"
+    collection = agent.redfish("GET", volumes)[1]
+    assert collection["@Redfish.OperationApplyTimeSupport"] == {"SupportedValues": ["OnReset"]}
+    before = call(api, "GET", f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines/vm").body
+    for bad in ({"CapacityBytes": 0}, {"CapacityBytes": GI, "RAIDType": "RAID1"}, {"RAIDType": "None"}):
+        assert agent.redfish("POST", volumes, bad)[0] == 400, bad
+    after = call(api, "GET", f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines/vm").body
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]  # nothing changed
+
+    status, created = agent.redfish("POST", volumes, {"CapacityBytes": 10 * GI, "RAIDType": "None"})
+    assert status == 201 and created["Id"] == "disk1" and created["CapacityBytes"] == 10 * GI
+    vm = call(api, "GET", f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines/vm").body
+    template = next(t for t in vm["spec"]["dataVolumeTemplates"] if t["metadata"]["name"] == "vm-disk1")
+    assert template["spec"]["storage"]["resources"]["requests"]["storage"] == "10Gi"
+    assert {"name": "disk1", "disk": {"bus": "virtio"}} in vm["spec"]["template"]["spec"]["domain"]["devices"]["disks"]
+    assert {"name": "disk1", "dataVolume": {"name": "vm-disk1"}} in vm["spec"]["template"]["spec"]["volumes"]
+    members = {m["@odata.id"] for m in agent.redfish("GET", volumes)[1]["Members"]}
+    assert f"{volumes}/disk1" in members

@@ -458,6 +458,36 @@ class KubeVirtMachine(Machine):
         finally:
             self._reverting.release()
 
+    # ---- disks
+
+    def create_disk(self, size_bytes: int) -> str:
+        """A blank disk as KubeVirt adds one: a dataVolumeTemplates entry (virt-controller creates the DataVolume, owned
+        by the VM, at the next start) with a disk and a volume of the same name, all in one patch; the VM gets it at
+        its next boot (RestartRequired while it runs)."""
+        with self._lock:
+            vm = self._vm()
+            spec = vmstate.template_spec(vm)
+            disks, _ = bootorder.devices(vm)
+            taken = {str(d.get("name")) for d in disks} | {str(v.get("name")) for v in spec.get("volumes") or []}
+            name = next(f"disk{n}" for n in range(1, len(taken) + 2) if f"disk{n}" not in taken)
+            dv_name = f"{self.name}-{name}"
+            template = {"metadata": {"name": dv_name}, "spec": {
+                "source": {"blank": {}},
+                "storage": {"resources": {"requests": {"storage": imagecheck.quantity(size_bytes)}}}}}
+            ops: list[Obj] = []
+            for path, value, present in (
+                    ("/spec/dataVolumeTemplates", template, "dataVolumeTemplates" in (vm.get("spec") or {})),
+                    ("/spec/template/spec/domain/devices/disks", {"name": name, "disk": {"bus": "virtio"}},
+                     "disks" in ((spec.get("domain") or {}).get("devices") or {})),
+                    ("/spec/template/spec/volumes", {"name": name, "dataVolume": {"name": dv_name}},
+                     "volumes" in spec)):
+                ops.append({"op": "add", "path": f"{path}/-", "value": value} if present
+                           else {"op": "add", "path": path, "value": [value]})
+            self._patch_vm(ops)
+            self._event("DiskCreated", f"added the blank disk {name} ({imagecheck.quantity(size_bytes)}, DataVolume "
+                                       f"{dv_name}) for the next boot")
+            return name
+
     # ---- secure boot
 
     def secure_boot(self) -> SecureBoot:

@@ -252,6 +252,11 @@ class Machine(abc.ABC):
         """Enable or disable secure boot from the next boot on; raises InvalidRequest under BIOS firmware."""
         raise Unsupported("this machine cannot change secure boot")
 
+    def create_disk(self, size_bytes: int) -> str:
+        """Add a blank disk of `size_bytes` that the machine gets at its next boot (Ironic's RAID interface creates
+        volumes); its name. Default: Unsupported."""
+        raise Unsupported("this machine cannot add disks")
+
     def media_slots(self) -> tuple[str, ...]:
         """The virtual media slots the BMC has, like the virtual CD of a physical BMC: present whether or not the
         machine has a drive behind them (see virtual_media)."""

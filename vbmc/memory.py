@@ -196,6 +196,13 @@ class MemoryMachine(Machine):
     def inventory(self) -> Inventory:
         return self._inventory
 
+    def create_disk(self, size_bytes: int) -> str:
+        with self._lock:
+            taken = {d.name for d in self._inventory.disks}
+            name = next(f"disk{n}" for n in range(1, len(taken) + 2) if f"disk{n}" not in taken)
+            self._inventory = replace(self._inventory, disks=(*self._inventory.disks, Disk(name, "disk", size_bytes)))
+            return name
+
     # ---- virtual media
 
     def virtual_media(self, slot: str = "Cd") -> VirtualMedia:

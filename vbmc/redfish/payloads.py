@@ -35,6 +35,12 @@ class SecureBootPatch(_Body):
     SecureBootEnable: bool | None = None
 
 
+class VolumeCreate(_Body):
+    CapacityBytes: int = Field(gt=0)
+    RAIDType: Literal["None"] | None = None
+    Name: str | None = None
+
+
 class ResetAction(_Body):
     ResetType: str
 

@@ -387,6 +387,14 @@ def volume_paths(ids: Ids, inv: Inventory) -> list[str]:
     return [f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{d.name}" for d in disks(inv)]
 
 
+def volume_collection(ids: Ids, inv: Inventory) -> dict[str, Any]:
+    doc = collection("VolumeCollection", f"{ids.system}/Storage/{STORAGE_ID}/Volumes", "Volumes",
+                     volume_paths(ids, inv))
+    # A POST adds a blank disk that the VM gets at its next boot.
+    doc["@Redfish.OperationApplyTimeSupport"] = {"SupportedValues": ["OnReset"]}
+    return doc
+
+
 def volume(ids: Ids, disk: Disk) -> dict[str, Any]:
     doc = _head("Volume", f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{disk.name}", disk.name, disk.name)
     doc.update({"CapacityBytes": disk.size_bytes, "RAIDType": "None", "Status": _status(),
