@@ -47,6 +47,10 @@ def task_of(agent: AgentProcess, location: str) -> dict[str, Any]:
     return dict(requests.get(f"{agent.url}{location}", auth=(USER, PASSWORD), timeout=5).json())
 
 
+def event_reasons(api: client.ApiClient, ns: str) -> list[str]:
+    return [e["reason"] for e in call(api, "GET", f"/api/v1/namespaces/{ns}/events").body["items"]]
+
+
 def datavolumes(api: client.ApiClient, ns: str) -> list[dict[str, Any]]:
     return list(call(api, "GET", DVS.format(ns=ns)).body["items"])
 
@@ -73,6 +77,8 @@ def test_a_good_image_is_sized_and_its_task_completes_with_progress(
     assert shown["Inserted"] is True and shown["Image"].endswith("/boot.iso")
     tasks = requests.get(f"{agent.url}/redfish/v1/TaskService/Tasks", auth=(USER, PASSWORD), timeout=5).json()
     assert {"@odata.id": location} in tasks["Members"]
+    wait_for(lambda: "VirtualMediaImported" in event_reasons(api, namespace), timeout=5, what="the import's Event")
+    assert "Virtual CD" in agent.ipmitool("sel", "elist").stdout  # the import's end is in the SEL
 
 
 @pytest.mark.parametrize(("path", "size", "reason"), [
@@ -92,13 +98,14 @@ def test_a_missing_or_too_large_image_ends_in_an_exception_and_creates_nothing(
 
 
 def test_an_import_cdi_fails_ends_the_task_in_an_exception_and_the_slot_empty(
-        agent: AgentProcess, images: ImageServer) -> None:
+        agent: AgentProcess, api: client.ApiClient, namespace: str, images: ImageServer) -> None:
     status, _, location = insert(agent, f"{images.base}/broken")  # HEAD says fine; CDI's GET gets a 500
     assert status == 202
     wait_for(lambda: task_of(agent, location)["TaskState"] == "Exception", timeout=10, what="the failure")
     assert "500" in task_of(agent, location)["Messages"][0]["Message"]
     shown = requests.get(f"{agent.url}{CD}", auth=(USER, PASSWORD), timeout=5).json()
     assert shown["Inserted"] is False and shown["Status"]["Health"] == "Warning"
+    wait_for(lambda: "VirtualMediaFailed" in event_reasons(api, namespace), timeout=5, what="the failure's Event")
 
 
 def test_power_on_straight_after_an_insert_boots_with_the_medium(

@@ -29,6 +29,7 @@ from .machine import (
     InvalidRequest,
     Inventory,
     Machine,
+    MachineError,
     MediaState,
     PowerState,
     ResetType,
@@ -626,6 +627,31 @@ class KubeVirtMachine(Machine):
                 else [{"op": "add", "path": "/spec/template/spec/volumes/-", "value": volume}])
             self._patch_vm(ops)
             self._event("VirtualMediaInserted", f"inserted {audit.redact_url(image)} into {disk}")
+            threading.Thread(target=self._follow_import, args=(slot, image), name=f"import-{dv_name}",
+                             daemon=True).start()
+
+    def _follow_import(self, slot: str, image: str, poll: float = 1.0, limit: float = 3600.0) -> None:
+        """While an import runs, and only then: read its state once a second and tell the event bus (and so the
+        Redfish EventService, the IPMI SEL and the VirtualMachineBMC's Events) when it ends. An eject, another
+        image or an hour ends the watch."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            time.sleep(poll)
+            try:
+                media = self.virtual_media(slot)
+            except MachineError:
+                continue  # the API server cannot answer now: ask again
+            if media.image != image or media.state not in (MediaState.INSERTING, MediaState.INSERTED,
+                                                           MediaState.FAILED):
+                return
+            shown = audit.redact_url(image)
+            if media.state == MediaState.INSERTED:
+                self._event("VirtualMediaImported", f"imported {shown} into {slot}")
+                return
+            if media.state == MediaState.FAILED:
+                self._event("VirtualMediaFailed", f"the import of {shown} into {slot} failed: {media.message}",
+                            "Warning")
+                return
 
     def _ca_bundle(self, name: str) -> str:
         """The PEM certificates of the ConfigMap the VirtualMachineBMC names (CDI's certConfigMap takes the same)."""
