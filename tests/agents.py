@@ -99,8 +99,15 @@ def agent_for_vm(sim: Sim, api: client.ApiClient, namespace: str, *flags: str) -
     """A VM `vm` and its VirtualMachineBMC in `namespace`, and an agent process serving it (kubevirt backend)."""
     make_vm(api, namespace)
     make_bmc(api, namespace)
-    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", *flags,
-                           env={"KUBECONFIG": sim.kubeconfig})
+    with running_agent("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", *flags,
+                       env={"KUBECONFIG": sim.kubeconfig}) as process:
+        yield process
+
+
+@contextlib.contextmanager
+def running_agent(*args: str, env: dict[str, str] | None = None) -> Iterator[AgentProcess]:
+    """An agent process with `args`, ready (its /readyz answers), stopped on exit."""
+    process = AgentProcess(*args, env=env)
     try:
         wait_for(process.ready, timeout=20, what="the agent to be ready")
         yield process

@@ -33,7 +33,7 @@ from vbmc.eventservice import (
 from vbmc.redfish.errors import RedfishError
 from vbmc.redfish.events import parse_filter
 
-from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, redfish_at, write_serving_certificate
+from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, redfish_at, running_agent, write_serving_certificate
 from .conftest import Sim, call, wait_for
 from .controllers import apply_bmc, get_bmc, ipmitool, is_ready, make_secret, pods
 from .vms import make_vm
@@ -106,12 +106,8 @@ def receiver(tls: tuple[Path, Path] | None = None, status: int = 204) -> Iterato
 
 @pytest.fixture
 def agent() -> Iterator[AgentProcess]:
-    process = AgentProcess("--backend", "memory", "--vm", "vm1")
-    try:
-        wait_for(process.ready, timeout=20, what="the agent to be ready")
+    with running_agent("--backend", "memory", "--vm", "vm1") as process:
         yield process
-    finally:
-        process.stop()
 
 
 def subscribe(agent: AgentProcess, destination: str, **extra: Any) -> dict[str, Any]:

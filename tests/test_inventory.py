@@ -13,7 +13,7 @@ from kubernetes import client
 from vbmc import vmstate
 from vbmc.redfish import resources
 
-from .agents import PASSWORD, USER, AgentProcess
+from .agents import PASSWORD, USER, AgentProcess, running_agent
 from .conftest import Sim, call, wait_for
 from .vms import make_bmc, running_vmi_uid
 
@@ -51,13 +51,9 @@ def inspected_vm(api: client.ApiClient, ns: str, architecture: str = "amd64") ->
 def agent(sim: Sim, api: client.ApiClient, namespace: str, bmc_crd: None) -> Iterator[AgentProcess]:
     inspected_vm(api, namespace)
     make_bmc(api, namespace)
-    process = AgentProcess("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm",
-                           env={"KUBECONFIG": sim.kubeconfig})
-    try:
-        wait_for(process.ready, timeout=20, what="the agent")
+    with running_agent("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm",
+                       env={"KUBECONFIG": sim.kubeconfig}) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture

@@ -20,8 +20,7 @@ from vbmc.machine import BootEnabled, BootTarget
 from vbmc.memory import MemoryMachine
 from vbmc.redfish.app import create_app
 
-from .agents import PASSWORD, USER, AgentProcess, free_port, write_serving_certificate
-from .conftest import wait_for
+from .agents import PASSWORD, USER, AgentProcess, free_port, running_agent, write_serving_certificate
 
 AUTH = {"Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}
 SYSTEM = "/redfish/v1/Systems/vm"
@@ -156,12 +155,8 @@ def test_sushy_still_sets_boot_through_the_strict_service(agent: AgentProcess) -
 
 @pytest.fixture
 def agent() -> Iterator[AgentProcess]:
-    process = AgentProcess("--backend", "memory", "--vm", "vm")
-    try:
-        wait_for(process.ready, timeout=20, what="the agent")
+    with running_agent("--backend", "memory", "--vm", "vm") as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture
@@ -169,13 +164,9 @@ def tls_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple
     monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
     cert, key = write_serving_certificate(tmp_path)
     port = free_port()
-    process = AgentProcess("--backend", "memory", "--vm", "vm", "--redfish-tls-address", f"127.0.0.1:{port}",
-                           "--tls-cert", str(cert), "--tls-key", str(key), "--redfish-require-tls", "true")
-    try:
-        wait_for(process.ready, timeout=20, what="the agent")
+    with running_agent("--backend", "memory", "--vm", "vm", "--redfish-tls-address", f"127.0.0.1:{port}",
+                       "--tls-cert", str(cert), "--tls-key", str(key), "--redfish-require-tls", "true") as process:
         yield process, f"https://127.0.0.1:{port}", cert
-    finally:
-        process.stop()
 
 
 def test_require_tls_refuses_credentials_over_http_and_takes_them_over_https(
