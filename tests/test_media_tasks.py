@@ -172,3 +172,17 @@ def test_a_private_ca_image_imports_with_the_configured_bundle(
                  timeout=10, what="CDI to import it with the bundle")
     finally:
         server.close()
+
+
+def test_a_patch_to_an_unusable_image_keeps_the_medium_that_is_in(
+        agent: AgentProcess, api: client.ApiClient, namespace: str, images: ImageServer) -> None:
+    status, _, location = insert(agent, f"{images.base}/boot.iso")
+    assert status == 202
+    wait_for(lambda: task_of(agent, location)["TaskState"] == "Completed", timeout=10, what="the first medium")
+    etag = requests.get(f"{agent.url}{CD}", auth=(USER, PASSWORD), timeout=5).headers["ETag"]
+    resp = requests.patch(f"{agent.url}{CD}", json={"Image": f"{images.base}/missing.iso"}, auth=(USER, PASSWORD),
+                          headers={"If-Match": etag}, timeout=10)  # OpenShift's BMC check mounts this way
+    assert resp.status_code == 400 and "404" in resp.json()["error"]["message"]
+    shown = requests.get(f"{agent.url}{CD}", auth=(USER, PASSWORD), timeout=5).json()
+    assert shown["Inserted"] is True and shown["Image"].endswith("/boot.iso")
+    assert [dv["spec"]["source"]["http"]["url"] for dv in datavolumes(api, namespace)] == [f"{images.base}/boot.iso"]

@@ -579,17 +579,10 @@ class KubeVirtMachine(Machine):
             disk = self._drive(vm, slot)
             if self._volume(vm, disk) is not None:
                 raise InvalidRequest("a medium is already inserted: eject it first")
-            options = (((self.bmc_watch.obj if self.bmc_watch is not None else None) or {}).get("spec") or {}).get(
-                "redfish", {}).get("virtualMedia") or {}
+            options = self._media_options()
             storage_opts = options.get("storage") or {}
             ca_map = ((options.get("tls") or {}).get("caBundleConfigMapRef") or {}).get("name", "")
-            try:
-                info = imagecheck.check(image, self._ca_bundle(ca_map) if ca_map else "")
-            except imagecheck.ImageProblem as exc:
-                raise ImageUnusable(str(exc)) from None
-            if info.size is not None and info.size > self.media_max_size:
-                raise ImageUnusable(f"the image is {info.size / 2**30:.1f} GiB, more than this BMC imports "
-                                    f"({self.media_max_size / 2**30:.0f} GiB, the agent's --media-max-size)")
+            info = imagecheck.ImageInfo(self.check_image(image))
             block = storage_opts.get("volumeMode") == "Block"
             storage: Obj = {"resources": {"requests": {"storage": imagecheck.quantity(
                 imagecheck.claim_size(info, block))}}}
@@ -652,6 +645,23 @@ class KubeVirtMachine(Machine):
                 self._event("VirtualMediaFailed", f"the import of {shown} into {slot} failed: {media.message}",
                             "Warning")
                 return
+
+    def _media_options(self) -> Obj:
+        bmc = (self.bmc_watch.obj if self.bmc_watch is not None else None) or {}
+        return dict(((bmc.get("spec") or {}).get("redfish") or {}).get("virtualMedia") or {})
+
+    def check_image(self, image: str) -> int | None:
+        """The image as the agent's pod reaches it (vbmc/imagecheck.py), with the VirtualMachineBMC's CA bundle;
+        ImageUnusable when it cannot be imported; its size when the server states it."""
+        ca_map = ((self._media_options().get("tls") or {}).get("caBundleConfigMapRef") or {}).get("name", "")
+        try:
+            info = imagecheck.check(image, self._ca_bundle(ca_map) if ca_map else "")
+        except imagecheck.ImageProblem as exc:
+            raise ImageUnusable(str(exc)) from None
+        if info.size is not None and info.size > self.media_max_size:
+            raise ImageUnusable(f"the image is {info.size / 2**30:.1f} GiB, more than this BMC imports "
+                                f"({self.media_max_size / 2**30:.0f} GiB, the agent's --media-max-size)")
+        return info.size
 
     def _ca_bundle(self, name: str) -> str:
         """The PEM certificates of the ConfigMap the VirtualMachineBMC names (CDI's certConfigMap takes the same)."""

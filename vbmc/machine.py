@@ -252,6 +252,11 @@ class Machine(abc.ABC):
         """Enable or disable secure boot from the next boot on; raises InvalidRequest under BIOS firmware."""
         raise Unsupported("this machine cannot change secure boot")
 
+    def check_image(self, image: str) -> int | None:
+        """Whether `image` can be inserted (raises ImageUnusable with the reason) and its size when known. Default:
+        nothing to check."""
+        return None
+
     def create_disk(self, size_bytes: int) -> str:
         """Add a blank disk of `size_bytes` that the machine gets at its next boot (Ironic's RAID interface creates
         volumes); its name. Default: Unsupported."""

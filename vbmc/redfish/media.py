@@ -68,6 +68,11 @@ def blueprint(svc: Service) -> Blueprint:
                     machine.eject_media(slot)
                 elif patch.Image is not None:
                     check_image(patch.Image, "Image", None)
+                    try:
+                        machine.check_image(patch.Image)  # before the eject: a refused image changes nothing
+                    except ImageUnusable as exc:
+                        raise RedfishError(400, "PropertyValueConflict", "Image", "Inserted", detail=str(exc),
+                                           related="#/Image") from None
                     if machine.virtual_media(slot).inserted:
                         machine.eject_media(slot)  # PATCHing a new Image replaces the medium, as on a real BMC
                     try:
