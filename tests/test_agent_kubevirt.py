@@ -22,7 +22,7 @@ from vbmc.ipmi.server import WRITE_DEADLINE
 
 from .agents import PASSWORD, USER, AgentProcess, agent_for_vm
 from .conftest import Sim, call, wait_for
-from .vms import boot_orders, get_vm, get_vmi, make_bmc, make_vm, running_vmi_uid
+from .vms import boot_orders, get_vm, get_vmi, make_bmc, make_vm, printable, running_vmi_uid
 
 
 @pytest.fixture
@@ -30,9 +30,6 @@ def agent(sim: Sim, api: client.ApiClient, namespace: str, bmc_crd: None) -> Ite
     with agent_for_vm(sim, api, namespace) as process:
         yield process
 
-
-def printable(api: client.ApiClient, ns: str) -> str:
-    return str((get_vm(api, ns).get("status") or {}).get("printableStatus"))
 
 
 def power_on(agent: AgentProcess, api: client.ApiClient, ns: str) -> str:

@@ -17,7 +17,7 @@ from kubernetes import client
 
 from .agents import PASSWORD, USER, AgentProcess, agent_for_vm
 from .conftest import Sim, call, install_bmc_crd, start_sim, wait_for
-from .vms import get_vm, get_vmi, running_vmi_uid
+from .vms import get_vm, get_vmi, printable, running_vmi_uid
 
 SUBRESOURCES = "/apis/subresources.kubevirt.io/v1/namespaces/{ns}/virtualmachines/vm/{action}"
 
@@ -27,9 +27,6 @@ def agent(sim: Sim, api: client.ApiClient, namespace: str, bmc_crd: None) -> Ite
     with agent_for_vm(sim, api, namespace) as process:
         yield process
 
-
-def printable(api: client.ApiClient, ns: str) -> str:
-    return str((get_vm(api, ns).get("status") or {}).get("printableStatus"))
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:

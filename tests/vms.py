@@ -36,6 +36,11 @@ def get_vm(api: client.ApiClient, ns: str, name: str = "vm") -> dict[str, Any]:
     return call(api, "GET", f"/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachines/{name}").body
 
 
+def printable(api: client.ApiClient, ns: str, name: str = "vm") -> str:
+    """The VM's status.printableStatus, as `kubectl get vm` shows it."""
+    return str((get_vm(api, ns, name).get("status") or {}).get("printableStatus"))
+
+
 def get_vmi(api: client.ApiClient, ns: str, name: str = "vm") -> dict[str, Any] | None:
     reply = call(api, "GET", f"/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachineinstances/{name}")
     return reply.body if reply.status == 200 else None
