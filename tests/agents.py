@@ -95,6 +95,19 @@ class AgentProcess:
 
 
 @contextlib.contextmanager
+def sushy_at(base: str, **kwargs: Any) -> Iterator[Any]:
+    """sushy (Ironic's Redfish library) logged in with a session that it deletes on exit, while the agent still serves.
+
+    Left to sushy's `__del__`, that logout runs in whichever thread the garbage collector interrupts and retries ten
+    times against an agent already stopped: seconds in which that thread (an in-process IPMI server's) stalls."""
+    import sushy
+    from sushy import auth as sushy_auth
+
+    with sushy_auth.SessionAuth(USER, PASSWORD) as auth:
+        yield sushy.Sushy(f"{base}/redfish/v1", auth=auth, **kwargs)
+
+
+@contextlib.contextmanager
 def agent_for_vm(sim: Sim, api: client.ApiClient, namespace: str, *flags: str) -> Iterator[AgentProcess]:
     """A VM `vm` and its VirtualMachineBMC in `namespace`, and an agent process serving it (kubevirt backend)."""
     make_vm(api, namespace)

@@ -16,11 +16,10 @@ import pytest
 import sushy
 from kubernetes import client
 from pyghmi.ipmi import command as pyghmi_command
-from sushy import auth as sushy_auth
 
 from vbmc.ipmi.server import WRITE_DEADLINE
 
-from .agents import PASSWORD, USER, AgentProcess, agent_for_vm
+from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, sushy_at
 from .conftest import Sim, call, wait_for
 from .vms import boot_orders, get_vm, get_vmi, make_bmc, make_vm, printable, running_vmi_uid
 
@@ -194,8 +193,8 @@ def test_pyghmi_client_powers_the_vm_on(agent: AgentProcess, api: client.ApiClie
 @pytest.fixture
 def system(agent: AgentProcess) -> Iterator[Any]:
     """The VM's System through sushy with session login; the session is closed while the agent still runs."""
-    with sushy_auth.SessionAuth(USER, PASSWORD) as auth:  # logs out on exit
-        yield sushy.Sushy(f"{agent.url}/redfish/v1", auth=auth).get_system("/redfish/v1/Systems/vm")
+    with sushy_at(agent.url) as root:
+        yield root.get_system("/redfish/v1/Systems/vm")
 
 
 def test_sushy_boot_once_pxe_then_disk(agent: AgentProcess, system: Any, api: client.ApiClient,

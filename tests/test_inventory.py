@@ -13,7 +13,7 @@ from kubernetes import client
 from vbmc import vmstate
 from vbmc.redfish import resources
 
-from .agents import PASSWORD, USER, AgentProcess, running_agent
+from .agents import AgentProcess, running_agent, sushy_at
 from .conftest import Sim, call, wait_for
 from .vms import make_bmc, running_vmi_uid
 
@@ -57,9 +57,9 @@ def agent(sim: Sim, api: client.ApiClient, namespace: str, bmc_crd: None) -> Ite
 
 
 @pytest.fixture
-def system(agent: AgentProcess) -> Any:
-    return sushy.Sushy(f"{agent.url}/redfish/v1", username=USER, password=PASSWORD).get_system(
-        "/redfish/v1/Systems/vm")
+def system(agent: AgentProcess) -> Iterator[Any]:
+    with sushy_at(agent.url) as root:
+        yield root.get_system("/redfish/v1/Systems/vm")
 
 
 def test_ironic_style_inspection_reads_what_the_vm_is(system: Any, api: client.ApiClient, namespace: str) -> None:

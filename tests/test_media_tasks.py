@@ -14,7 +14,7 @@ from kubernetes import client
 
 from vbmc import imagecheck
 
-from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, write_serving_certificate
+from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, sushy_at, write_serving_certificate
 from .conftest import Sim, call, start_sim, wait_for
 from .images import ImageServer
 from .vms import get_vmi, running_vmi_uid
@@ -110,15 +110,14 @@ def test_an_import_cdi_fails_ends_the_task_in_an_exception_and_the_slot_empty(
 
 def test_power_on_straight_after_an_insert_boots_with_the_medium(
         agent: AgentProcess, api: client.ApiClient, namespace: str, images: ImageServer) -> None:
-    system = sushy.Sushy(f"{agent.url}/redfish/v1", username=USER, password=PASSWORD).get_system(
-        "/redfish/v1/Systems/vm")
-    media = sushy.Sushy(f"{agent.url}/redfish/v1", username=USER, password=PASSWORD).get_manager(
-        "/redfish/v1/Managers/BMC").virtual_media.get_member(CD)
-    media.insert_media(f"{images.base}/boot.iso")
-    system.reset_system(sushy.ResetType.ON)  # waits for the import (0.3 s on the session's kubesim)
-    wait_for(lambda: running_vmi_uid(api, namespace), timeout=10, what="the boot")
-    volumes = {v["name"]: v for v in (get_vmi(api, namespace) or {})["spec"]["volumes"]}
-    assert "dataVolume" in volumes["cdrom"]
+    with sushy_at(agent.url) as root:
+        system = root.get_system("/redfish/v1/Systems/vm")
+        media = root.get_manager("/redfish/v1/Managers/BMC").virtual_media.get_member(CD)
+        media.insert_media(f"{images.base}/boot.iso")
+        system.reset_system(sushy.ResetType.ON)  # waits for the import (0.3 s on the session's kubesim)
+        wait_for(lambda: running_vmi_uid(api, namespace), timeout=10, what="the boot")
+        volumes = {v["name"]: v for v in (get_vmi(api, namespace) or {})["spec"]["volumes"]}
+        assert "dataVolume" in volumes["cdrom"]
 
 
 def test_a_power_on_during_a_long_import_is_busy_not_a_boot_without_the_medium(tmp_path: Path) -> None:

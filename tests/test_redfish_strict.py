@@ -20,7 +20,7 @@ from vbmc.machine import BootEnabled, BootTarget
 from vbmc.memory import MemoryMachine
 from vbmc.redfish.app import create_app
 
-from .agents import PASSWORD, USER, AgentProcess, free_port, running_agent, write_serving_certificate
+from .agents import PASSWORD, USER, AgentProcess, free_port, running_agent, sushy_at, write_serving_certificate
 
 AUTH = {"Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}
 SYSTEM = "/redfish/v1/Systems/vm"
@@ -144,10 +144,11 @@ def test_a_patch_with_nothing_writable_is_refused_whole(client: FlaskClient) -> 
 
 
 def test_sushy_still_sets_boot_through_the_strict_service(agent: AgentProcess) -> None:
-    system = sushy.Sushy(f"{agent.url}/redfish/v1", username=USER, password=PASSWORD).get_system(SYSTEM)
-    system.set_system_boot_options(sushy.BootSource.PXE, enabled=sushy.BootSourceOverrideEnabled.ONCE)
-    system.refresh()
-    assert system.boot.target == sushy.BootSource.PXE
+    with sushy_at(agent.url) as root:
+        system = root.get_system(SYSTEM)
+        system.set_system_boot_options(sushy.BootSource.PXE, enabled=sushy.BootSourceOverrideEnabled.ONCE)
+        system.refresh()
+        assert system.boot.target == sushy.BootSource.PXE
 
 
 # ---- credentials over HTTPS only
@@ -186,8 +187,8 @@ def test_require_tls_refuses_credentials_over_http_and_takes_them_over_https(
                           json={"UserName": USER, "Password": PASSWORD})
     assert login.status_code == 201
     # sushy against the HTTPS URL, as Metal3's redfish:// (HTTPS) drives it
-    system = sushy.Sushy(f"{https}/redfish/v1", username=USER, password=PASSWORD, verify=str(cert)).get_system(SYSTEM)
-    assert system.power_state == sushy.PowerState.OFF
+    with sushy_at(https, verify=str(cert)) as root:
+        assert root.get_system(SYSTEM).power_state == sushy.PowerState.OFF
 
 
 def test_the_controller_passes_require_tls_to_the_agent() -> None:

@@ -13,13 +13,12 @@ from typing import Any
 import pytest
 import sushy
 from kubernetes import client
-from sushy import auth as sushy_auth
 
 from vbmc.firmware import Firmware, firmware_ops, mode_firmware
 from vbmc.machine import BootEnabled, BootMode, BootOverride, BootTarget, InvalidRequest, ResetType
 from vbmc.memory import MemoryMachine
 
-from .agents import PASSWORD, USER, AgentProcess, agent_for_vm
+from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, sushy_at
 from .conftest import Sim, call, wait_for
 from .vms import get_vm, get_vmi, running_vmi_uid
 
@@ -46,8 +45,8 @@ def agent(sim: Sim, api: client.ApiClient, namespace: str, bmc_crd: None) -> Ite
 
 @pytest.fixture
 def system(agent: AgentProcess) -> Iterator[Any]:
-    with sushy_auth.SessionAuth(USER, PASSWORD) as auth:
-        yield sushy.Sushy(f"{agent.url}/redfish/v1", auth=auth).get_system("/redfish/v1/Systems/vm")
+    with sushy_at(agent.url) as root:
+        yield root.get_system("/redfish/v1/Systems/vm")
 
 
 def uefi(api: client.ApiClient, ns: str, secure_boot: bool) -> None:
