@@ -136,6 +136,9 @@ def desired_role(bmc: Obj, vm: str, cdroms: list[str]) -> Obj:
             "virtualmachineinstances/pause", "virtualmachineinstances/unpause",
             "virtualmachineinstances/softreboot", "virtualmachineinstances/reset"],
          "resourceNames": [vm], "verbs": ["update"]},
+        # IPMI SOL: the serial console, a WebSocket GET (virtctl console needs the same).
+        {"apiGroups": ["subresources.kubevirt.io"], "resources": ["virtualmachineinstances/console"],
+         "resourceNames": [vm], "verbs": ["get"]},
         {"apiGroups": ["bmc.kubevirt.io"], "resources": ["virtualmachinebmcs"], "resourceNames": [bmc_name],
          "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["bmc.kubevirt.io"], "resources": ["virtualmachinebmcs/status"], "resourceNames": [bmc_name],

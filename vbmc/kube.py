@@ -283,6 +283,36 @@ class KubeClient:
                             str(status.get("message") or payload or resp.reason), payload)
         return payload
 
+    def websocket(self, path: str, subprotocol: str, timeout: float | None = None) -> Any:
+        """A connected WebSocket (websocket-client, which the official client uses for exec) to `path`, offering
+        `subprotocol`. Raises KubeError with the server's Status when it refuses the upgrade (a 401 with a token
+        from a file is retried once, with the token read again), Unreachable otherwise."""
+        import websocket  # only when a console opens: the agent's memory budget
+
+        _, auth = self._current()
+        url = "ws" + self._url(path, None)[len("http"):]
+        sslopt = {"context": _tls_context(self.creds, self._ca)} if self._tls else {}
+        for attempt in (1, 2):
+            headers = [f"{k}: {v}" for k, v in auth.items() if k in ("Authorization", "User-Agent")]
+            try:
+                return websocket.create_connection(url, header=headers, subprotocols=[subprotocol], sslopt=sslopt,
+                                                   timeout=timeout or self.timeout, enable_multithread=True)
+            except websocket.WebSocketBadStatusException as exc:
+                retry = self._retry_unauthorized(auth) if exc.status_code == 401 and attempt == 1 else None
+                if retry is not None:
+                    auth = retry
+                    continue
+                try:
+                    status = json.loads(exc.resp_body or b"{}")
+                except ValueError:
+                    status = {}
+                status = status if isinstance(status, dict) else {}
+                raise KubeError(exc.status_code, str(status.get("reason") or ""),
+                                str(status.get("message") or exc), status) from exc
+            except (websocket.WebSocketException, OSError) as exc:
+                raise Unreachable(f"GET {path} (WebSocket): {exc}") from exc
+        raise AssertionError("unreachable")
+
     def _send(self, pool: urllib3.PoolManager, method: str, url: str, data: bytes | None, headers: dict[str, str],
               timeout: float | None, path: str) -> urllib3.BaseHTTPResponse:
         try:

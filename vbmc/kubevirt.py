@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from . import audit, bootorder, firmware, imagecheck, vmstate
+from . import audit, bootorder, firmware, imagecheck, serialconsole, vmstate
 from .kube import KubeClient, KubeError, Unreachable, merge_patched
 from .machine import (
     BackendUnavailable,
@@ -24,6 +24,7 @@ from .machine import (
     BootMode,
     BootOverride,
     BootTarget,
+    ConsoleUnavailable,
     Health,
     ImageUnusable,
     InvalidRequest,
@@ -34,6 +35,7 @@ from .machine import (
     PowerState,
     ResetType,
     SecureBoot,
+    SerialConsole,
     Unsupported,
     VirtualMedia,
 )
@@ -135,6 +137,22 @@ class KubeVirtMachine(Machine):
         if vmstate.power_state(vm, self._vmi()) == PowerState.OFF:
             return None
         return vmstate.running_since(self._vmi())
+
+    # ---- serial console (IPMI SOL)
+
+    def has_serial_console(self) -> bool:
+        devices = self._vm().get("spec", {}).get("template", {}).get("spec", {}).get("domain", {}).get("devices", {})
+        return devices.get("autoattachSerialConsole") is not False
+
+    def open_console(self, output: Callable[[bytes], None], closed: Callable[[str], None]) -> SerialConsole:
+        path = f"{SUBRESOURCES}/namespaces/{self.namespace}/virtualmachineinstances/{self.name}/console"
+        try:
+            ws = self.client.websocket(path, serialconsole.SUBPROTOCOL)
+        except KubeError as exc:
+            raise ConsoleUnavailable(exc.message) from exc
+        except Unreachable as exc:
+            raise ConsoleUnavailable(str(exc)) from exc
+        return serialconsole.WebSocketConsole(ws, output, closed, self.name)
 
     def service_address(self) -> str:
         bmc = self.bmc_watch.obj if self.bmc_watch is not None else None

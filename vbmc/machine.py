@@ -10,8 +10,10 @@ from __future__ import annotations
 import abc
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 from .events import POWER_STATE_CHANGED, EventBus
 
@@ -171,6 +173,21 @@ class BackendUnavailable(MachineError):
         self.retry_after = retry_after
 
 
+class ConsoleUnavailable(MachineError):
+    """The serial console cannot be reached now: the machine is not running, or the backend refused it (the reason is
+    the message). IPMI SOL reports it as "character transfer unavailable" and keeps trying."""
+
+
+class SerialConsole(Protocol):
+    """An open serial line to a running machine (Machine.open_console)."""
+
+    def send(self, data: bytes) -> None:
+        """Write to the machine's serial port; raises ConsoleUnavailable when the line has gone away."""
+
+    def close(self) -> None:
+        """Hang up; no callback follows."""
+
+
 class Machine(abc.ABC):
     """A machine as a BMC sees it. Reads are cheap (from a cache); writes may raise the errors above."""
 
@@ -271,6 +288,17 @@ class Machine(abc.ABC):
         """When the running instance of the machine started (time.time() seconds; KubeVirt: the VMI's), None when
         it is not running or the backend cannot tell. IPMI's power-on-hours counter reads it."""
         return None
+
+    def has_serial_console(self) -> bool:
+        """Whether the machine has a serial port a console can attach to (KubeVirt: unless the VM sets
+        `autoattachSerialConsole: false`)."""
+        return False
+
+    def open_console(self, output: Callable[[bytes], None], closed: Callable[[str], None]) -> SerialConsole:
+        """Attach to the running machine's serial port. `output` gets what the machine writes and `closed` is called
+        once, with the reason, when the line goes away (the machine stopped or was reset); both from another thread.
+        Raises ConsoleUnavailable when the machine is not running or the backend refuses."""
+        raise Unsupported("this machine has no serial console")
 
     def service_address(self) -> str:
         """The address clients reach the BMC at, when the backend knows it (KubeVirt: the VirtualMachineBMC's

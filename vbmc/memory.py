@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid as uuidlib
+from collections.abc import Callable
 from dataclasses import replace
 from urllib.parse import urlsplit
 
@@ -16,6 +17,7 @@ from .machine import (
     BootMode,
     BootOverride,
     BootTarget,
+    ConsoleUnavailable,
     Disk,
     Health,
     InvalidRequest,
@@ -26,6 +28,7 @@ from .machine import (
     PowerState,
     ResetType,
     SecureBoot,
+    SerialConsole,
     Unsupported,
     VirtualMedia,
 )
@@ -52,6 +55,8 @@ class MemoryMachine(Machine):
         self._last_boot_target = BootTarget.HDD
         self._media = VirtualMedia()
         self._has_cdrom = has_cdrom
+        self._line: MemoryConsole | None = None  # the attached serial console, hung up by a power off or reset
+        self.console_input = bytearray()  # everything written to the serial port
         disks = [Disk("rootdisk", "disk", 10 * 2**30)]
         if has_cdrom:
             disks.append(Disk("cdrom", "cdrom"))
@@ -75,6 +80,7 @@ class MemoryMachine(Machine):
     def reset(self, reset_type: ResetType) -> None:
         if reset_type not in SUPPORTED_RESETS:
             raise Unsupported(f"reset type {reset_type} is not supported: KubeVirt has no NMI")
+        started = self._started
         with self._lock:
             on = self._power in (PowerState.ON, PowerState.PAUSED, PowerState.POWERING_ON)
             if reset_type in (ResetType.ON, ResetType.FORCE_ON):
@@ -99,6 +105,8 @@ class MemoryMachine(Machine):
                 if self._power != PowerState.PAUSED:
                     raise InvalidRequest("the machine is not paused")
                 self._power = PowerState.ON
+        if self._power == PowerState.OFF or self._started != started:
+            self._hang_up("the machine powered off" if self._power == PowerState.OFF else "the machine was reset")
         self.notify_changed(self._power)
 
     def _boot(self) -> None:
@@ -150,6 +158,35 @@ class MemoryMachine(Machine):
 
     def running_since(self) -> float | None:
         return self._started if self._power != PowerState.OFF else None
+
+    # ---- serial console: a line that tests write the machine's output to (write_console)
+
+    def has_serial_console(self) -> bool:
+        return True
+
+    def open_console(self, output: Callable[[bytes], None], closed: Callable[[str], None]) -> SerialConsole:
+        if self._power == PowerState.OFF:
+            raise ConsoleUnavailable("VMI is not running")
+        line = MemoryConsole(self, output, closed)
+        with self._lock:
+            previous, self._line = self._line, line
+        if previous is not None:
+            previous.hang_up("another console attached")
+        return line
+
+    def write_console(self, data: bytes) -> bool:
+        """What the machine writes to its serial port; False when no console is attached (the bytes are lost)."""
+        line = self._line
+        if line is None:
+            return False
+        line.output(data)
+        return True
+
+    def _hang_up(self, reason: str) -> None:
+        with self._lock:
+            line, self._line = self._line, None
+        if line is not None:
+            line.hang_up(reason)
 
     @property
     def boots(self) -> int:
@@ -238,3 +275,28 @@ class MemoryMachine(Machine):
         self._check_slot(slot)
         if not self._has_cdrom:
             raise Unsupported(NO_CDROM)
+
+
+class MemoryConsole:
+    """MemoryMachine's serial line: input is recorded in `console_input`, output comes from write_console."""
+
+    def __init__(self, machine: MemoryMachine, output: Callable[[bytes], None], closed: Callable[[str], None]) -> None:
+        self._machine = machine
+        self.output = output
+        self._closed = closed
+        self._open = True
+
+    def send(self, data: bytes) -> None:
+        if not self._open:
+            raise ConsoleUnavailable("the line was hung up")
+        self._machine.console_input += data
+
+    def close(self) -> None:
+        self._open = False
+        if self._machine._line is self:
+            self._machine._line = None
+
+    def hang_up(self, reason: str) -> None:
+        if self._open:
+            self._open = False
+            self._closed(reason)

@@ -9,8 +9,11 @@ receives, authenticates, answers and sends, and a stop() that returns at once.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import contextvars
 import logging
+import select
 import socket
 import struct
 import threading
@@ -23,8 +26,9 @@ from typing import Any, NamedTuple, TypeVar
 from .. import audit
 from ..events import POWER_STATE_CHANGED, Event
 from ..machine import BackendUnavailable, BootOverride, InvalidRequest, Machine, MachineError, PowerState, ResetType
+from ..serialconsole import ConsoleBridge
 from ..throttle import LoginThrottle, source_key
-from . import codec, fru, lan, rmcp, sdr, sel
+from . import codec, fru, lan, rmcp, sdr, sel, sol
 from .codec import Completion, IdentifyState, Privilege, RestartCause, SessionEntry
 from .session import (
     STATUS_INSUFFICIENT_RESOURCES,
@@ -55,6 +59,16 @@ POLL_INTERVAL = 0.2  # how often the receive loop looks at stop()
 POWER_UP_GRACE = 10.0
 RESTART_CAUSE_WINDOW = 30.0  # the first power-on observed this soon after the BMC's own command is that command's
 RECEIVE_SIZE = 2048
+
+
+class SolPayload:
+    """The active SOL payload instance: the session it belongs to, its packet protocol and its serial line."""
+
+    def __init__(self, session: RmcpPlusSession, link: sol.SolLink) -> None:
+        self.session = session
+        self.link = link
+        self.bridge: ConsoleBridge
+        self.due: float | None = None  # when link.poll() is next due
 
 
 class Command(NamedTuple):
@@ -122,6 +136,12 @@ class IpmiServer:
         self._current: RmcpPlusSession | None = None
         self._handles: dict[int, int] = {}
         self._next_handle = 1
+        # Serial over LAN (sol.py): its configuration, the active payload, and work other threads (the serial
+        # line's reader) hand to the serving thread, which alone touches sessions and links.
+        self.sol_config = sol.SolConfig()
+        self._sol: SolPayload | None = None
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake: tuple[socket.socket, socket.socket] | None = None
 
         chassis, app = codec.NETFN_CHASSIS, codec.NETFN_APP
         sensor, storage, transport = sdr.NETFN_SENSOR, sdr.NETFN_STORAGE, lan.NETFN_TRANSPORT
@@ -178,6 +198,20 @@ class IpmiServer:
                 "channel_security_keys", Privilege.ADMINISTRATOR, self._channel_security_keys),
             (transport, lan.SET_LAN_CONFIGURATION): Command(
                 "set_lan_configuration", Privilege.ADMINISTRATOR, self._set_lan_configuration, True),
+            (app, sol.ACTIVATE_PAYLOAD): Command("activate_payload", user, self._activate_payload, True),
+            (app, sol.DEACTIVATE_PAYLOAD): Command("deactivate_payload", user, self._deactivate_payload, True),
+            (app, sol.GET_PAYLOAD_ACTIVATION_STATUS): Command(
+                "get_payload_activation_status", user, self._get_payload_activation_status),
+            (app, sol.GET_PAYLOAD_INSTANCE_INFO): Command(
+                "get_payload_instance_info", user, self._get_payload_instance_info),
+            (app, sol.GET_CHANNEL_PAYLOAD_SUPPORT): Command(
+                "get_channel_payload_support", user, self._get_channel_payload_support),
+            (app, sol.GET_CHANNEL_PAYLOAD_VERSION): Command(
+                "get_channel_payload_version", user, self._get_channel_payload_version),
+            (transport, sol.GET_SOL_CONFIGURATION): Command(
+                "get_sol_configuration", user, self._get_sol_configuration),
+            (transport, sol.SET_SOL_CONFIGURATION): Command(
+                "set_sol_configuration", Privilege.ADMINISTRATOR, self._set_sol_configuration, True),
         }
 
     # ---- lifecycle
@@ -203,6 +237,9 @@ class IpmiServer:
             raise
         sock.settimeout(POLL_INTERVAL)
         self._socket = sock
+        self._wake = socket.socketpair()
+        self._wake[1].setblocking(False)
+        self._wake[0].setblocking(False)
         self._transport = Transport(sock.sendto)
         self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ipmi-{self._vm}-machine")
         self._stopping.clear()
@@ -224,8 +261,13 @@ class IpmiServer:
         thread.join(timeout=POLL_INTERVAL + WRITE_DEADLINE)
         if self._writer is not None:
             self._writer.shutdown(wait=False, cancel_futures=True)
+        if self._sol is not None:
+            self._end_sol("the BMC stopped", tell=False)
         if self._socket is not None:
             self._socket.close()
+        if self._wake is not None:
+            for end in self._wake:
+                end.close()
         self._sessions.clear()
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -242,27 +284,63 @@ class IpmiServer:
     # ---- transport
 
     def _serve(self) -> None:
-        assert self._socket is not None
-        sock = self._socket
+        assert self._socket is not None and self._wake is not None
+        sock, wake = self._socket, self._wake[0]
         while not self._stopping.is_set():
+            timeout = POLL_INTERVAL
+            if self._sol is not None and self._sol.due is not None:
+                timeout = min(timeout, max(0.0, self._sol.due - time.monotonic()))
             try:
-                packet, sockaddr = sock.recvfrom(RECEIVE_SIZE)
-            except TimeoutError:
-                packet = b""
-            except OSError:
+                readable, _, _ = select.select((sock, wake), (), (), timeout)
+            except (OSError, ValueError):
                 if self._stopping.is_set():
                     return
-                log.exception("ipmi receive failed vm=%s", self._vm)
+                log.exception("ipmi select failed vm=%s", self._vm)
                 continue
-            if packet:
-                try:
-                    self._datagram(packet, sockaddr)
-                except Exception:  # a malformed packet must never stop the BMC
-                    log.warning("ipmi dropped a packet vm=%s client=%s size=%d", self._vm, _client(sockaddr),
-                                len(packet), exc_info=log.isEnabledFor(logging.DEBUG))
+            if wake in readable:
+                self._run_inbox()
+            if sock in readable:
+                self._receive(sock)
             now = time.monotonic()
+            if self._sol is not None:
+                self._sol.due = self._sol.link.poll(now)
             if now >= self._next_sweep:  # also when idle: an abandoned RAKP exchange counts as a failed login
                 self._expire_sessions(now)
+
+    def _receive(self, sock: socket.socket) -> None:
+        try:
+            packet, sockaddr = sock.recvfrom(RECEIVE_SIZE)
+        except (TimeoutError, BlockingIOError):
+            return
+        except OSError:
+            if not self._stopping.is_set():
+                log.exception("ipmi receive failed vm=%s", self._vm)
+            return
+        try:
+            self._datagram(packet, sockaddr)
+        except Exception:  # a malformed packet must never stop the BMC
+            log.warning("ipmi dropped a packet vm=%s client=%s size=%d", self._vm, _client(sockaddr),
+                        len(packet), exc_info=log.isEnabledFor(logging.DEBUG))
+
+    def _post(self, work: Callable[[], None]) -> None:
+        """Run `work` on the serving thread (from any thread)."""
+        self._inbox.append(work)
+        wake = self._wake
+        if wake is not None:
+            with contextlib.suppress(OSError):  # full (the loop is awake anyway) or closed (stopping)
+                wake[1].send(b"\0")
+
+    def _run_inbox(self) -> None:
+        assert self._wake is not None
+        with contextlib.suppress(OSError):  # drained
+            while self._wake[0].recv(4096):
+                pass
+        while self._inbox:
+            work = self._inbox.popleft()
+            try:
+                work()
+            except Exception:
+                log.exception("ipmi: serial console work failed vm=%s", self._vm)
 
     def _datagram(self, packet: bytes, sockaddr: Any) -> None:
         kind = rmcp.classify(packet)
@@ -373,6 +451,7 @@ class IpmiServer:
             timeout = IDLE_TIMEOUT if session.active else OPENING_TIMEOUT
             if now - session.last_seen > timeout:
                 del self._sessions[session_id]
+                self._session_gone(session)
                 if session.state is State.AUTHENTICATING:
                     # RAKP 2 went out and no RAKP 3 came back: a console with the wrong password that gave up,
                     # or someone collecting RAKP 2 codes to test passwords offline. Either way a failed login.
@@ -410,6 +489,11 @@ class IpmiServer:
     def close(self, session: RmcpPlusSession) -> None:
         if self._sessions.get(session.managed_session_id) is session:
             del self._sessions[session.managed_session_id]
+        self._session_gone(session)
+
+    def _session_gone(self, session: RmcpPlusSession) -> None:
+        if self._sol is not None and self._sol.session is session:
+            self._end_sol("its session closed", tell=False)
 
     def handle_request(self, session: RmcpPlusSession, netfn: int, command: int, data: bytes) -> Reply:
         audit.bind(audit.Actor("ipmi", _client(session.sockaddr), session.username,
@@ -487,6 +571,145 @@ class IpmiServer:
 
     def _get_user_payload_access(self, data: bytes) -> Reply:
         return Reply(*codec.user_payload_access(LAN_CHANNEL, data))
+
+    # ---- Serial over LAN (sol.py; payload commands of section 24, SOL configuration of section 26)
+
+    def _payload_instance(self, data: bytes, size: int) -> Reply | None:
+        """The error for a payload command naming anything but SOL instance 1, else None."""
+        if len(data) < size:
+            return Reply(Completion.REQUEST_DATA_LENGTH_INVALID)
+        if data[0] & 0x3F != sol.PAYLOAD_SOL:
+            return Reply(Completion.INVALID_DATA_FIELD, detail="only the SOL payload can be activated")
+        if size > 1 and data[1] & 0x0F != 1:
+            return Reply(Completion.PARAMETER_OUT_OF_RANGE, detail=f"SOL has {sol.INSTANCES} instance")
+        return None
+
+    def _activate_payload(self, data: bytes) -> Reply:
+        """Activate Payload (table 24-2) for SOL: one instance, bridged to the VM's serial console."""
+        session = self._current
+        assert session is not None
+        error = self._payload_instance(data, 6)
+        if error is not None:
+            return error
+        config = self.sol_config
+        if not config.enabled:
+            return Reply(sol.PAYLOAD_DISABLED, detail="SOL is disabled (SOL configuration parameter 1)")
+        if not self.machine.has_serial_console():
+            return Reply(sol.PAYLOAD_DISABLED,
+                         detail="the VM has no serial console (autoattachSerialConsole is false)")
+        if session.privilege < config.privilege:
+            return Reply(Completion.INSUFFICIENT_PRIVILEGE, detail=f"SOL needs {config.privilege.name}")
+        if self._sol is not None:
+            mine = self._sol.session is session
+            return Reply(sol.PAYLOAD_ALREADY_ACTIVE,
+                         detail="already active in this session" if mine else "active in another session")
+        if not data[2] & 0x80:  # every session here is encrypted, and SOL goes as its messages do
+            return Reply(sol.NEEDS_ENCRYPTION, detail="SOL is only activated with encryption")
+        link = sol.SolLink(config, session.send_sol, self._sol_deliver)
+        state = SolPayload(session, link)
+        state.bridge = ConsoleBridge(
+            self.machine, lambda chars: self._post(lambda: self._sol_output(state, chars)),
+            lambda available, why: self._post(lambda: self._sol_attached(state, available)), self._vm)
+        self._sol = state
+        state.bridge.start()
+        return Reply(Completion.OK, sol.activation_reply(self.address[1]))
+
+    # The serial line's callbacks, run on the serving thread (_post); a payload deactivated since is left alone.
+
+    def _sol_output(self, state: SolPayload, chars: bytes) -> None:
+        if state is self._sol:
+            state.link.output(chars, time.monotonic())
+
+    def _sol_attached(self, state: SolPayload, available: bool) -> None:
+        if state is self._sol:
+            state.link.set_available(available)
+
+    def _sol_deliver(self, chars: bytes) -> bool:
+        state = self._sol
+        return state is not None and state.bridge.send(chars)
+
+    def _deactivate_payload(self, data: bytes) -> Reply:
+        """Deactivate Payload (table 24-3): from the SOL session or any other at the SOL privilege."""
+        session = self._current
+        assert session is not None
+        error = self._payload_instance(data, 2)
+        if error is not None:
+            return error
+        if self._sol is None:
+            return Reply(sol.PAYLOAD_DEACTIVATED, detail="SOL is not active")
+        if session.privilege < self.sol_config.privilege:
+            return Reply(Completion.INSUFFICIENT_PRIVILEGE)
+        mine = self._sol.session is session
+        self._end_sol("deactivated by its session" if mine else "deactivated by another session", tell=not mine)
+        return Reply(Completion.OK)
+
+    def _end_sol(self, why: str, tell: bool) -> None:
+        state, self._sol = self._sol, None
+        if state is None:
+            return
+        if tell:  # the console learns from the status bits; a session that is gone hears nothing
+            state.link.deactivating()
+        state.bridge.stop()
+        log.info("ipmi sol deactivated vm=%s: %s", self._vm, why, extra={"protocol": "ipmi", "vm": self._vm})
+
+    def sol_received(self, session: RmcpPlusSession, payload: bytes) -> bool:
+        state = self._sol
+        if state is None or state.session is not session:
+            return False
+        state.link.received(payload, time.monotonic())
+        return True
+
+    def _get_payload_activation_status(self, data: bytes) -> Reply:
+        error = self._payload_instance(data, 1)
+        if error is not None:
+            return error
+        return Reply(Completion.OK, bytes([sol.INSTANCES, 1 if self._sol is not None else 0, 0]))
+
+    def _get_payload_instance_info(self, data: bytes) -> Reply:
+        """Get Payload Instance Info (table 24-5): the session the instance is active in (0: inactive), port 1."""
+        error = self._payload_instance(data, 2)
+        if error is not None:
+            return error
+        owner = self._sol.session.managed_session_id if self._sol is not None else 0
+        return Reply(Completion.OK, struct.pack("<I", owner) + bytes([1]) + bytes(7))
+
+    def _get_channel_payload_support(self, data: bytes) -> Reply:
+        if not data:
+            return Reply(Completion.REQUEST_DATA_LENGTH_INVALID)
+        if data[0] & 0x0F not in (LAN_CHANNEL, 0x0E):
+            return Reply(Completion.INVALID_DATA_FIELD)
+        return Reply(Completion.OK, sol.channel_payload_support())
+
+    def _get_channel_payload_version(self, data: bytes) -> Reply:
+        if len(data) < 2:
+            return Reply(Completion.REQUEST_DATA_LENGTH_INVALID)
+        if data[0] & 0x0F not in (LAN_CHANNEL, 0x0E):
+            return Reply(Completion.INVALID_DATA_FIELD)
+        if data[1] & 0x3F not in (0, sol.PAYLOAD_SOL):
+            return Reply(0x80, detail="payload type not available on this channel")
+        return Reply(Completion.OK, b"\x10")  # version 1.0
+
+    def _get_sol_configuration(self, data: bytes) -> Reply:
+        if len(data) < 4:
+            return Reply(Completion.REQUEST_DATA_LENGTH_INVALID)
+        if data[0] & 0x0F not in (LAN_CHANNEL, 0x0E):
+            return Reply(Completion.INVALID_DATA_FIELD)
+        if data[0] & 0x80:  # revision only
+            return Reply(Completion.OK, bytes([sol.PARAMETER_REVISION]))
+        completion, value = self.sol_config.get(data[1] & 0x7F, self.address[1], LAN_CHANNEL)
+        if completion != Completion.OK:
+            return Reply(completion)
+        return Reply(Completion.OK, bytes([sol.PARAMETER_REVISION]) + value)
+
+    def _set_sol_configuration(self, data: bytes) -> Reply:
+        if len(data) < 3:
+            return Reply(Completion.REQUEST_DATA_LENGTH_INVALID)
+        if data[0] & 0x0F not in (LAN_CHANNEL, 0x0E):
+            return Reply(Completion.INVALID_DATA_FIELD)
+        completion = self.sol_config.set(data[1] & 0x7F, bytes(data[2:]))
+        if completion == Completion.OK and not self.sol_config.enabled and self._sol is not None:
+            self._end_sol("SOL was disabled", tell=True)
+        return Reply(completion, detail=f"parameter {data[1] & 0x7F}")
 
     # ---- chassis (netfn Chassis)
 

@@ -44,6 +44,7 @@ STATUS_INSUFFICIENT_RESOURCES = 0x01
 
 PAYLOAD = pyghmi_constants.payload_types
 PAYLOAD_IPMI = 0x00
+PAYLOAD_SOL = 0x01
 PAYLOAD_RAKP1 = 0x12
 PAYLOAD_RAKP3 = 0x14
 AUTHENTICATED = 0x40  # payload type byte: the packet carries an integrity code
@@ -88,6 +89,9 @@ class SessionHost(Protocol):
         ...
 
     def handle_request(self, session: RmcpPlusSession, netfn: int, command: int, data: bytes) -> Reply: ...
+
+    def sol_received(self, session: RmcpPlusSession, payload: bytes) -> bool:
+        """A SOL payload in an active session; False when the session has no SOL payload active."""
 
     def auth_failed(self, session: RmcpPlusSession, reason: str) -> None: ...
 
@@ -178,9 +182,10 @@ class RmcpPlusSession(serversession.ServerSession):
 
     def receive(self, packet: bytes) -> bool:
         """A datagram for this session (RMCP+ session header); False when it was discarded unread: a payload type
-        a BMC does not take in a session (SOL, which is never activated here; OEM payloads; Open Session Response,
-        RAKP 2 and 4, which only travel to a console), a truncated packet, a failed check. The specification's error
-        answers (RMCP+ status codes) exist for session setup messages only, so these get none."""
+        a BMC does not take in a session (OEM payloads; Open Session Response, RAKP 2 and 4, which only travel to a
+        console; SOL while the session has no SOL payload active), a truncated packet, a failed check. The
+        specification's error answers (RMCP+ status codes) exist for session setup messages only, so these get
+        none."""
         payload_type = packet[5] & 0x3F
         (length,) = struct.unpack_from("<H", packet, 14)
         if len(packet) < 16 + length:
@@ -190,18 +195,23 @@ class RmcpPlusSession(serversession.ServerSession):
         elif payload_type == PAYLOAD_RAKP3:
             self._got_rakp3(bytearray(packet[16:16 + length]))
         elif payload_type == PAYLOAD_IPMI:
-            message = self._open_packet(packet, length)
+            payload = self._open_packet(packet, length)
+            message = rmcp.parse_message(payload) if payload is not None else None
             if message is None:
                 return False
             self._request(message)
+        elif payload_type == PAYLOAD_SOL:
+            payload = self._open_packet(packet, length)
+            if payload is None or not self.host.sol_received(self, payload):
+                return False
         else:
             return False
         self.last_seen = time.monotonic()
         return True
 
-    def _open_packet(self, packet: bytes, length: int) -> rmcp.Message | None:
-        """The IPMI request in an authenticated session packet (section 13.28), or None when the packet fails any
-        check: active session, integrity code (compared in constant time), sequence number, padding, checksums."""
+    def _open_packet(self, packet: bytes, length: int) -> bytes | None:
+        """The payload of an authenticated session packet (section 13.28), or None when the packet fails any
+        check: active session, integrity code (compared in constant time), sequence number, padding."""
         if self.state is not State.ACTIVE or self.k1 is None or self.aeskey is None:
             return None
         if not packet[5] & AUTHENTICATED or len(packet) < 16 + length + 2 + self.currhashlen:
@@ -226,7 +236,7 @@ class RmcpPlusSession(serversession.ServerSession):
                 return None
             payload = clear[:-pad - 1]
         self._accept(sequence)
-        return rmcp.parse_message(payload)
+        return payload
 
     def _fresh(self, sequence: int) -> bool:
         """A sliding window on session sequence numbers, as IPMI v2.0 asks of a BMC: a packet up to REPLAY_WINDOW
@@ -384,6 +394,10 @@ class RmcpPlusSession(serversession.ServerSession):
         self.state = State.ACTIVE
 
     # ---- requests in an active session
+
+    def send_sol(self, payload: bytes) -> None:
+        """A SOL payload to the console, integrity-protected and encrypted as the session's IPMI messages are."""
+        self.send_payload(payload, PAYLOAD_SOL, retry=False)
 
     def _request(self, message: rmcp.Message) -> None:
         netfn, command, data = message.netfn, message.command, message.data
