@@ -10,6 +10,8 @@
   volumes (pkg/storage/hotplug/hotplug.go, DeclarativeHotplugVolumes, beta in KubeVirt 1.9).
 - the VMI side (virt-controller's VMI controller plus virt-handler): phases Pending → Scheduling → Scheduled →
   Running after `vm_start_delay`, interfaces, volume status, ACPI shutdown bounded by the grace period.
+- the serial console (`virtualmachineinstances/console`, a WebSocket): virt-api's checks here, the guest's serial
+  line in kubesim/console.py, kept in step with each VMI by virt-handler's `SerialConsoleController`.
 
 Decisions are pure functions (table-tested in tests/test_sim_kubevirt.py); the loops only read, decide, write.
 """
@@ -25,10 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors
+from .console import Domain, SerialConsoles
 from .loop import ControlLoop
 from .objects import clone, drop_finalizer, now, set_condition
 from .resources import ResourceType
-from .server import SubresourceAPI
+from .server import Stream, StreamPeer, SubresourceAPI
 from .store import DELETED, JSON_PATCH, Event, Store
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,10 @@ JSONPATCH_TEST_ERROR = "jsonpatch test operation does not apply"
 UNDERWAY = "unable to complete request: stop/start already underway"
 RESTART_REQUIRED_MESSAGE = "a non-live-updatable field was changed in the template spec"
 PAUSED_READINESS_GATE = "kubevirt.io/virtual-machine-unpaused"
+# console.go: the WebSocket subprotocol of the serial console (raw bytes both ways) and virt-api's refusals.
+CONSOLE_SUBPROTOCOL = "plain.kubevirt.io"
+NO_SERIAL_CONSOLE = "No serial consoles are present."
+VMI_FAILED = "VMI is in failed status"
 
 
 # ---------------------------------------------------------------- small readers
@@ -179,6 +186,17 @@ def vmi_state(vmi: Obj | None) -> VmiState | None:
                     deleting=bool(_meta(vmi).get("deletionTimestamp")),
                     grace_period=grace if isinstance(grace, int) else None,
                     paused=_has_condition(vmi, "Paused"))
+
+
+def console_domain(vmi: Obj | None) -> Domain | None:
+    """What the serial console follows of a VMI."""
+    state = vmi_state(vmi)
+    if vmi is None or state is None:
+        return None
+    devices = (_spec(vmi).get("domain") or {}).get("devices") or {}
+    return Domain(uid=state.uid, running=state.phase == RUNNING,
+                  serial=devices.get("autoattachSerialConsole") is not False, stopping=state.deleting,
+                  paused=state.paused, spec=_spec(vmi))
 
 
 def vm_conflict(name: str, why: str) -> errors.ApiError:
@@ -1237,23 +1255,45 @@ class VirtualMachineInstanceController(ControlLoop):
         self.store.mutate(vmi_type, meta["namespace"], meta["name"], change, manager=self.manager)
 
 
+class SerialConsoleController(ControlLoop):
+    """virt-handler's side of the serial consoles: a VMI's line is there while its domain runs (booted when it
+    starts, shut down when the VMI is deleted) and ends, disconnecting its client, when the VMI is final or gone."""
+
+    name = "virt-handler-console"
+    kinds = (VMI_KEY,)
+
+    def __init__(self, store: Store, consoles: SerialConsoles) -> None:
+        super().__init__(store)
+        self.k = _Kinds(store)
+        self.consoles = consoles
+
+    def sync(self, key: Hashable) -> float | None:
+        assert isinstance(key, tuple)
+        ns, name = key
+        self.consoles.settle(ns, name, console_domain(self.k.find(VMI_KEY, ns, name)))
+        return None
+
+
 # ---------------------------------------------------------------- virt-api
 
 
 class VirtApi:
-    """The lifecycle subresources of subresources.kubevirt.io/v1."""
+    """The subresources of subresources.kubevirt.io/v1: lifecycle calls and the serial console."""
 
     manager = "virt-api"
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, consoles: SerialConsoles | None = None) -> None:
         self.store = store
         self.k = _Kinds(store)
+        self.consoles = consoles if consoles is not None else SerialConsoles()
 
     def subresource_api(self) -> SubresourceAPI:
         resources = [(f"virtualmachines/{s}", "VirtualMachine", True) for s in ("start", "stop", "restart")]
         resources += [(f"virtualmachineinstances/{s}", "VirtualMachineInstance", True)
                       for s in ("pause", "unpause", "softreboot", "reset")]
-        return SubresourceAPI(SUBRESOURCE_GROUP, "v1", resources, self.handle)
+        console = Stream("virtualmachineinstances/console", "VirtualMachineInstance", (CONSOLE_SUBPROTOCOL,),
+                         self.console)
+        return SubresourceAPI(SUBRESOURCE_GROUP, "v1", resources, self.handle, [console])
 
     def handle(self, method: str, namespace: str, resource: str, name: str, sub: str, body: Any) -> tuple[int, Any]:
         handlers: dict[tuple[str, str], Callable[[str, str, Any], tuple[int, Any]]] = {
@@ -1427,6 +1467,7 @@ class VirtApi:
             raise vmi_conflict(name, "VMI neither have the agent connected nor the ACPI feature enabled")
         # The guest reboots inside the same domain: same VMI, same UID, same (old) spec.
         log.info("vmi %s/%s: soft reboot", namespace, name)
+        self.consoles.reboot(namespace, name, str(_meta(vmi).get("uid")), _spec(vmi), soft=True)
         return 200, None
 
     def reset(self, namespace: str, name: str, body: Any) -> tuple[int, Any]:
@@ -1439,7 +1480,26 @@ class VirtApi:
             raise internal_error(f"Failed to reset non-running VMI with phase {phase}: domain is not running")
         # A hard reset of the same domain: KubeVirt records nothing on the VMI, and neither does kubesim.
         log.info("vmi %s/%s: reset", namespace, name)
+        self.consoles.reboot(namespace, name, str(_meta(vmi).get("uid")), _spec(vmi), soft=False)
         return 200, None
+
+    def console(self, namespace: str, name: str) -> Callable[[], StreamPeer]:
+        """validateVMIForConsole (pkg/virt-api/rest/console.go); then the client attaches to the VMI's line,
+        taking over from any client before it, as virt-handler lets a new connection do."""
+        vmi = self._vmi(namespace, name)
+        devices = (_spec(vmi).get("domain") or {}).get("devices") or {}
+        if devices.get("autoattachSerialConsole") is False:
+            raise errors.bad_request(NO_SERIAL_CONSOLE)
+        phase = _status(vmi).get("phase")
+        if phase == FAILED:
+            raise vmi_conflict(name, VMI_FAILED)
+        if phase != RUNNING:
+            raise errors.bad_request(VMI_NOT_RUNNING)
+        # The console loop may not have seen the VMI run yet: the line is made (and booted) here then.
+        line = self.consoles.settle(namespace, name, console_domain(vmi))
+        if line is None:  # it stopped running in the meantime
+            raise errors.bad_request(VMI_NOT_RUNNING)
+        return line.attach
 
 
 # ---- virt-api's validating webhook, the rules the agent's writes meet
@@ -1487,7 +1547,9 @@ def install(cluster: Any) -> None:
     from .cluster import NODE_NAME  # cluster imports this module
 
     config = cluster.config
-    cluster.server.add_subresource_api(VirtApi(cluster.store).subresource_api())
+    consoles = SerialConsoles()
+    cluster.server.add_subresource_api(VirtApi(cluster.store, consoles).subresource_api())
+    cluster.add_component(SerialConsoleController(cluster.store, consoles))
     cluster.store.add_admission(admit)
     cluster.add_component(VirtualMachineController(cluster.store))
     cluster.add_component(VirtualMachineInstanceController(cluster.store, config.vm_start_delay,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import json
 import logging
@@ -11,13 +13,17 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
+from wsproto.connection import Connection, ConnectionState, ConnectionType
+from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
+from wsproto.frame_protocol import CloseReason
+from wsproto.utilities import LocalProtocolError, generate_accept_token
 
 from . import errors, podlogs, printers, protobuf
 from .resources import ResourceType
@@ -36,6 +42,36 @@ OPEN_PATHS = {"/version", "/healthz", "/readyz", "/livez"}
 _VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 
 
+class StreamPeer(Protocol):
+    """The far end of a WebSocket subresource (a VMI's serial line): bytes in, bytes out, until it ends."""
+
+    reason: str  # why take() returned None: the close frame's reason
+
+    def fileno(self) -> int:
+        """Readable whenever take() may have something new."""
+        ...
+
+    def take(self) -> bytes | None:
+        """Output since the last take (b"" if none); None once the stream has ended."""
+        ...
+
+    def feed(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Stream:
+    """A subresource served as a WebSocket on GET (virt-api's `virtualmachineinstances/console`)."""
+
+    name: str  # resource/sub
+    kind: str
+    subprotocols: tuple[str, ...]  # the ones the server speaks, chosen from what the client offers
+    # connect(namespace, name) checks the request (raising an ApiError, answered before any upgrade) and returns
+    # what opens the stream once the upgrade is answered.
+    connect: Callable[[str, str], Callable[[], StreamPeer]]
+
+
 @dataclass
 class SubresourceAPI:
     """An aggregated API group that serves only subresources (KubeVirt's subresources.kubevirt.io)."""
@@ -45,6 +81,10 @@ class SubresourceAPI:
     resources: list[tuple[str, str, bool]]  # (resource/sub, kind, namespaced)
     # handle(method, namespace, resource, name, sub, body) -> (code, object)
     handle: Callable[[str, str, str, str, str, Any], tuple[int, Any]]
+    streams: list[Stream] = field(default_factory=list)  # namespaced, GET only
+
+    def stream(self, resource: str, sub: str) -> Stream | None:
+        return next((s for s in self.streams if s.name == f"{resource}/{sub}"), None)
 
 
 class ApiServer:
@@ -144,6 +184,9 @@ class ApiServer:
             for name, kind, namespaced in sub.resources:
                 resources.append({"name": name, "singularName": "", "namespaced": namespaced, "kind": kind,
                                   "verbs": ["put"]})
+            for stream in sub.streams:
+                resources.append({"name": stream.name, "singularName": "", "namespaced": True,
+                                  "kind": stream.kind, "verbs": ["get"]})
         if not found:
             return None
         gv = f"{group}/{version}" if group else version
@@ -209,6 +252,72 @@ def _version_priority(version: str) -> tuple[int, int, int]:
     major, level, minor = int(m.group(1)), m.group(2), int(m.group(3) or 0)
     rank = {None: 0, "beta": 1, "alpha": 2}[level]
     return (rank, -major, -minor)
+
+
+# A WebSocket connection: how long a send may wait for a client that reads nothing, how long a close waits for
+# the client's close frame, and how often the loop looks at whether the server is stopping.
+_WS_SEND_TIMEOUT = 10.0
+_WS_CLOSE_TIMEOUT = 1.0
+_WS_TICK = 0.25
+
+
+def run_websocket(sock: socket.socket, peer: StreamPeer, stopping: threading.Event) -> None:
+    """Carry a stream over an upgraded connection (wsproto for the framing): what the peer produces goes out as
+    binary messages, binary and text messages from the client go to the peer, pings get pongs. It ends when the
+    client closes (or goes), the peer ends (close 1000 with its reason) or the server stops (close 1001); a
+    close from this side waits briefly for the client's before the connection is dropped.
+
+    One thread does both directions (select on the socket and the peer), so a TLS socket is never read and
+    written at once."""
+    ws = Connection(ConnectionType.SERVER)
+    sock.settimeout(_WS_SEND_TIMEOUT)
+    closing_since: float | None = None
+
+    def send(data: bytes) -> None:
+        if data:
+            sock.sendall(data)
+
+    def close(code: int, reason: str) -> float:
+        if ws.state is ConnectionState.OPEN:
+            send(ws.send(CloseConnection(code=code, reason=reason)))
+        return time.monotonic()
+
+    try:
+        while True:
+            if closing_since is None and stopping.is_set():
+                closing_since = close(CloseReason.GOING_AWAY, "kubesim is shutting down")
+            if closing_since is not None and time.monotonic() - closing_since > _WS_CLOSE_TIMEOUT:
+                return
+            waiting: list[Any] = [sock] if closing_since is not None else [sock, peer]
+            if isinstance(sock, ssl.SSLSocket) and sock.pending():
+                ready = [sock]  # decrypted bytes already buffered, which select cannot see
+            else:
+                ready = select.select(waiting, [], [], _WS_TICK)[0]
+            if sock in ready:
+                data = sock.recv(65536)
+                ws.receive_data(data or None)
+                for event in ws.events():
+                    if isinstance(event, BytesMessage):
+                        peer.feed(bytes(event.data))
+                    elif isinstance(event, TextMessage):
+                        peer.feed(event.data.encode())
+                    elif isinstance(event, Ping):
+                        send(ws.send(event.response()))
+                    elif isinstance(event, CloseConnection):
+                        # The client's close (answered in kind), its reply to ours, or a protocol error (1002).
+                        if ws.state in (ConnectionState.OPEN, ConnectionState.REMOTE_CLOSING):
+                            send(ws.send(event.response()))
+                        return
+                if not data:
+                    return
+            if peer in ready and closing_since is None:
+                out = peer.take()
+                if out is None:
+                    closing_since = close(CloseReason.NORMAL_CLOSURE, peer.reason[:120])
+                elif out:
+                    send(ws.send(BytesMessage(data=out)))
+    except (OSError, LocalProtocolError) as exc:  # the client went, stalled, or broke the protocol
+        log.debug("websocket: %s", exc)
 
 
 _MAX_LINE = 65536  # http.client's limits
@@ -447,6 +556,11 @@ class _Handler(BaseHTTPRequestHandler):
         sub = "/".join(rest[2:])
         sub_api = api.subresource_apis.get((group, version))
         if sub_api is not None:
+            stream = sub_api.stream(resource, sub) if namespace and name else None
+            if stream is not None:
+                if method != "GET":
+                    raise errors.method_not_allowed()
+                return self._websocket(stream, namespace, name)
             if method != "PUT" or not sub:
                 raise errors.method_not_allowed()
             body = self._decode(raw, self.fields.get("Content-Type", "application/json"))
@@ -612,6 +726,52 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+    # ---- WebSocket subresources (virt-api's console)
+
+    def _websocket(self, stream: Stream, namespace: str, name: str) -> None:
+        """virt-api's websocketStreamRequestHandler: the request is checked first (a Status, as any error), then
+        the upgrade (gorilla/websocket's checks and messages), then the stream runs on this connection until
+        either end closes it or the server stops."""
+        open_peer = stream.connect(namespace, name)
+        key = self._websocket_key()
+        offered = [p.strip() for p in self.fields.get("Sec-WebSocket-Protocol").split(",") if p.strip()]
+        chosen = next((p for p in offered if p in stream.subprotocols), "")
+        peer = open_peer()
+        self.close_connection = True  # after the stream, the connection is done
+        try:
+            self.send_response(HTTPStatus.SWITCHING_PROTOCOLS)
+            self.send_header("Upgrade", "websocket")
+            self.send_header("Connection", "Upgrade")
+            self.send_header("Sec-WebSocket-Accept", generate_accept_token(key.encode()).decode())
+            if chosen:
+                self.send_header("Sec-WebSocket-Protocol", chosen)
+            self.end_headers()
+            # RFC 6455 4.1: a client sends no frame before it has the answer, so nothing is left in self.rfile.
+            run_websocket(self.connection, peer, self.api._stopping)
+        finally:
+            peer.close()
+
+    def _websocket_key(self) -> str:
+        def has_token(header: str, token: str) -> bool:
+            return token in (t.strip().lower() for t in self.fields.get(header).split(","))
+
+        missing = "websocket: the client is not using the websocket protocol: "
+        if not has_token("Upgrade", "websocket"):
+            raise errors.bad_request(missing + "'websocket' token not found in 'Upgrade' header")
+        if not has_token("Connection", "upgrade"):
+            raise errors.bad_request(missing + "'upgrade' token not found in 'Connection' header")
+        if self.fields.get("Sec-WebSocket-Version").strip() != "13":
+            raise errors.bad_request("websocket: unsupported version: 13 not found in 'Sec-Websocket-Version' header")
+        key = self.fields.get("Sec-WebSocket-Key").strip()
+        try:
+            valid = len(base64.b64decode(key, validate=True)) == 16
+        except (binascii.Error, ValueError):
+            valid = False
+        if not valid:
+            raise errors.bad_request("websocket: not a websocket handshake: 'Sec-WebSocket-Key' header must be "
+                                     "Base64 encoded value of 16-byte length")
+        return key
 
     # ---- pods/log
 
