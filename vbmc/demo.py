@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         print("try:")
         print(f"  ipmitool -I lanplus -H {host} -U {USERNAME} -P {PASSWORD} power status")
         print(f"  ipmitool -I lanplus -H {host} -U {USERNAME} -P {PASSWORD} power on")
+        print(f"  ipmitool -I lanplus -H {host} -U {USERNAME} -P {PASSWORD} sol activate   # serial console; ~. leaves")
         print(f"  curl -k -u {USERNAME}:{PASSWORD} {first.get('redfish')}")
         print(f"  KUBECONFIG={cluster.kubeconfig} {Path(sys.executable).parent / 'kubectl'} get vm,vmbmc -A")
         print("ready", flush=True)

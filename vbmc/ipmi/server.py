@@ -612,7 +612,7 @@ class IpmiServer:
             lambda available, why: self._post(lambda: self._sol_attached(state, available)), self._vm)
         self._sol = state
         state.bridge.start()
-        return Reply(Completion.OK, sol.activation_reply(self.address[1]))
+        return Reply(Completion.OK, sol.activation_reply(self._network().port))
 
     # The serial line's callbacks, run on the serving thread (_post); a payload deactivated since is left alone.
 
@@ -696,7 +696,7 @@ class IpmiServer:
             return Reply(Completion.INVALID_DATA_FIELD)
         if data[0] & 0x80:  # revision only
             return Reply(Completion.OK, bytes([sol.PARAMETER_REVISION]))
-        completion, value = self.sol_config.get(data[1] & 0x7F, self.address[1], LAN_CHANNEL)
+        completion, value = self.sol_config.get(data[1] & 0x7F, self._network().port, LAN_CHANNEL)
         if completion != Completion.OK:
             return Reply(completion)
         return Reply(Completion.OK, bytes([sol.PARAMETER_REVISION]) + value)
