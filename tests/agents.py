@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -28,6 +29,20 @@ def free_port(kind: int = socket.SOCK_STREAM) -> int:
     with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def low_udp_port() -> int:
+    """A free UDP port below 32768: freeipmi's ipmiconsole keeps the port in an int16_t and cannot reach a higher one
+    (the system hands out ephemeral ports from 32768 up)."""
+    start = 20000 + (os.getpid() * 7 + time.monotonic_ns() // 1000) % 10000
+    for port in [*range(start, 32000), *range(20000, start)]:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free UDP port below 32768")
 
 
 def ipmitool_at(host: str, port: int, *args: str, cipher: str = "17") -> subprocess.CompletedProcess[str]:
@@ -52,8 +67,8 @@ def redfish_at(base: str, method: str, path: str, body: Any = None, timeout: flo
 
 
 class AgentProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.ipmi_port = free_port(socket.SOCK_DGRAM)
+    def __init__(self, *args: str, env: dict[str, str] | None = None, ipmi_port: int | None = None) -> None:
+        self.ipmi_port = ipmi_port or free_port(socket.SOCK_DGRAM)
         self.http_port = free_port()
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"agent-{self.http_port}.log", "w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -108,19 +123,21 @@ def sushy_at(base: str, **kwargs: Any) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def agent_for_vm(sim: Sim, api: client.ApiClient, namespace: str, *flags: str) -> Iterator[AgentProcess]:
+def agent_for_vm(sim: Sim, api: client.ApiClient, namespace: str, *flags: str,
+                 ipmi_port: int | None = None) -> Iterator[AgentProcess]:
     """A VM `vm` and its VirtualMachineBMC in `namespace`, and an agent process serving it (kubevirt backend)."""
     make_vm(api, namespace)
     make_bmc(api, namespace)
     with running_agent("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", *flags,
-                       env={"KUBECONFIG": sim.kubeconfig}) as process:
+                       env={"KUBECONFIG": sim.kubeconfig}, ipmi_port=ipmi_port) as process:
         yield process
 
 
 @contextlib.contextmanager
-def running_agent(*args: str, env: dict[str, str] | None = None) -> Iterator[AgentProcess]:
+def running_agent(*args: str, env: dict[str, str] | None = None,
+                  ipmi_port: int | None = None) -> Iterator[AgentProcess]:
     """An agent process with `args`, ready (its /readyz answers), stopped on exit."""
-    process = AgentProcess(*args, env=env)
+    process = AgentProcess(*args, env=env, ipmi_port=ipmi_port)
     try:
         wait_for(process.ready, timeout=20, what="the agent to be ready")
         yield process

@@ -4,8 +4,6 @@ configuration parameters, and the packet protocol (sol.SolLink) on its own."""
 from __future__ import annotations
 
 import re
-import socket
-import time
 from collections.abc import Iterator
 
 import pexpect
@@ -16,22 +14,11 @@ from vbmc.ipmi.server import IpmiServer
 from vbmc.machine import PowerState, ResetType
 from vbmc.memory import MemoryMachine
 
+from .agents import low_udp_port
 from .conftest import wait_for
 from .test_ipmi import PASSWORD, USER, freeipmi, ipmitool, require
 
 OPERATIONAL = "[SOL Session operational.  Use ~? for help]"
-
-
-def low_udp_port() -> int:
-    """A free UDP port below 32768: freeipmi keeps the port in an int16_t and cannot reach one above."""
-    for port in range(20000 + (time.monotonic_ns() // 1000) % 5000, 32000, 7):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free UDP port below 32768")
 
 
 @pytest.fixture
