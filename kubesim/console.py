@@ -272,6 +272,8 @@ class SerialLine:
                 return None
             if self._pending:
                 out, self._pending = bytes(self._pending), bytearray()
+                if self.ended:  # the last output, then the end: wake the connection again for it
+                    client.wake()
                 return out
             if self.ended:
                 client.reason = self.ended

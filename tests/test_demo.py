@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pexpect
+
 from .conftest import REPO, address_ranges, wait_for
 
 
@@ -51,6 +53,17 @@ def test_demo_prints_reachable_bmcs_and_stops_everything_on_ctrl_c(tmp_path: Pat
             wait_for(lambda: "Chassis Power is on" in subprocess.run(
                 shlex.split(status), capture_output=True, text=True, timeout=30).stdout, timeout=10,
                 what="the VM to be on")
+            # the printed serial console line reaches the VM's login prompt, and ~. leaves it
+            sol = shlex.split(next(line for line in lines if "sol activate" in line), comments=True)
+            console = pexpect.spawn(sol[0], sol[1:], timeout=20)
+            try:
+                console.expect_exact("[SOL Session operational.")
+                console.send("\r")
+                console.expect(r"vm-\d login: ")
+                console.send("\r~.")
+                console.expect(pexpect.EOF)
+            finally:
+                console.close(force=True)
         finally:
             demo.send_signal(signal.SIGINT)
             code = demo.wait(timeout=30)

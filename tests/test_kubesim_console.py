@@ -173,6 +173,17 @@ def test_an_ended_line_gives_what_is_left_then_ends() -> None:
     assert client_.reason == "VMI vm is no longer running"
 
 
+def test_a_connection_that_takes_the_last_output_is_woken_again_for_the_end() -> None:
+    # A connection waits on the client's wake-up; the end must not hide behind the output taken just before it.
+    line = booted_line()
+    client_ = line.attach()
+    line.end("VMI vm is no longer running")
+    assert select.select([client_], [], [], 0)[0] == [client_]
+    assert client_.take() == BOOT
+    assert select.select([client_], [], [], 0)[0] == [client_]
+    assert client_.take() is None
+
+
 def test_input_while_paused_is_read_when_the_guest_runs_again() -> None:
     line = booted_line()
     client_ = line.attach()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,21 +24,24 @@ log = logging.getLogger("vbmc.console")
 SUBPROTOCOL = "plain.kubevirt.io"
 RETRY_MIN, RETRY_MAX = 0.25, 5.0  # seconds between attempts to attach while the machine runs but refuses
 POWER_POLL = 0.25  # how often a detached bridge reads the (cached) power state
+OUTBOX = 256  # typed chunks waiting for the WebSocket; beyond it they are refused (and lost)
 
 
 class WebSocketConsole:
     """A serial line over a connected websocket-client WebSocket: a daemon thread reads frames into `output` and
-    calls `closed` once when the server ends the line."""
+    calls `closed` once when the server ends the line; another writes what send() queues, so that a caller (the
+    IPMI server's one thread) never waits on the API server's connection."""
 
     def __init__(self, ws: Any, output: Callable[[bytes], None], closed: Callable[[str], None], name: str) -> None:
         self._ws = ws
         self._output = output
         self._closed = closed
         self._hung_up = threading.Event()  # close() was called: no callback
-        self._send_lock = threading.Lock()
+        self._outbox: queue.Queue[bytes | None] = queue.Queue(maxsize=OUTBOX)
         ws.settimeout(None)
         self._thread = threading.Thread(target=self._read, name=f"console-{name}", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._write, name=f"console-{name}-w", daemon=True).start()
 
     def _read(self) -> None:
         import websocket
@@ -55,18 +59,31 @@ class WebSocketConsole:
                 reason = f"the serial console connection ended: {exc or type(exc).__name__}"
         finally:
             self._shutdown()
+            with contextlib.suppress(queue.Full):
+                self._outbox.put_nowait(None)  # ends the writer
             if not self._hung_up.is_set():
                 self._closed(reason)
 
-    def send(self, data: bytes) -> None:
-        try:
-            with self._send_lock:
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
                 self._ws.send_binary(data)
-        except Exception as exc:
-            raise ConsoleUnavailable(f"the serial console connection ended: {exc}") from exc
+            except Exception:  # the reader sees the connection end too, and reports it
+                self._shutdown()
+                return
+
+    def send(self, data: bytes) -> None:
+        if self._hung_up.is_set():
+            raise ConsoleUnavailable("the serial console was closed")
+        try:
+            self._outbox.put_nowait(data)
+        except queue.Full:  # the API server's connection does not take what is typed: lost, as on a stalled line
+            raise ConsoleUnavailable("the serial console connection is not keeping up") from None
 
     def close(self) -> None:
         self._hung_up.set()
+        with contextlib.suppress(queue.Full):
+            self._outbox.put_nowait(None)
         self._shutdown()
 
     def _shutdown(self) -> None:
