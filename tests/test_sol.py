@@ -172,6 +172,16 @@ def test_sol_info_and_set_with_ipmitool(bmc: IpmiServer) -> None:
     assert "Retry Count                     : 5" in ipmitool(bmc, "sol", "info", "1").stdout
 
 
+def test_behind_a_service_sol_names_the_service_port(bmc: IpmiServer, machine: MemoryMachine,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # In a cluster the agent listens on 10623 behind its Service's 623: SOL must name 623, the port ipmitool used.
+    monkeypatch.setattr(machine, "service_address", lambda: "10.96.45.12")
+    port = ipmitool(bmc, "raw", "0x0c", "0x22", "0x01", "0x08", "0x00", "0x00")
+    assert port.stdout.split() == ["11", "6f", "02"]  # revision 1.1, 623 little-endian
+    activation = ipmitool(bmc, "raw", "0x06", "0x48", "0x01", "0x01", "0xc0", "0x00", "0x00", "0x00")
+    assert activation.stdout.split()[8:10] == ["6f", "02"]
+
+
 def test_sol_disabled_refuses_activation(bmc: IpmiServer) -> None:
     assert ipmitool(bmc, "sol", "set", "enabled", "false", "1").returncode == 0
     out, status = pexpect.run(ipmitool_command(bmc, "sol", "activate"), timeout=15, withexitstatus=True)

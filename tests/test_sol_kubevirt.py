@@ -11,16 +11,32 @@ import pytest
 from kubernetes import client
 
 from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, low_udp_port
-from .conftest import Sim, call, wait_for
+from .conftest import Sim, call, install_bmc_crd, start_sim, wait_for
 from .test_sol import OPERATIONAL
 from .vms import printable, running_vmi_uid
 
 PROMPT = "vm login: "
 
 
+@pytest.fixture(scope="module")
+def own_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
+    """A kubesim of this module's own, with no controller: the session's controller would give each
+    VirtualMachineBMC a Service address, and the agent would then name the Service's port 623 for SOL, which these
+    tests, talking to the agent's own port, do not use."""
+    sim = start_sim(tmp_path_factory.mktemp("sol-sim"))
+    install_bmc_crd(sim.api())
+    yield sim
+    sim.stop()
+
+
 @pytest.fixture
-def agent(sim: Sim, api: client.ApiClient, namespace: str, bmc_crd: None) -> Iterator[AgentProcess]:
-    with agent_for_vm(sim, api, namespace, ipmi_port=low_udp_port()) as process:
+def api(own_sim: Sim) -> client.ApiClient:
+    return own_sim.api()
+
+
+@pytest.fixture
+def agent(own_sim: Sim, api: client.ApiClient, namespace: str) -> Iterator[AgentProcess]:
+    with agent_for_vm(own_sim, api, namespace, ipmi_port=low_udp_port()) as process:
         yield process
 
 
