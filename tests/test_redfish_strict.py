@@ -16,7 +16,7 @@ from flask.testing import FlaskClient
 
 from controller.desired import desired_deployment
 from controller.settings import Settings
-from vbmc.machine import BootEnabled, BootTarget
+from vbmc.machine import BootEnabled, BootOverride, BootTarget
 from vbmc.memory import MemoryMachine
 from vbmc.redfish.app import create_app
 
@@ -201,3 +201,40 @@ def test_the_controller_passes_require_tls_to_the_agent() -> None:
     bmc["spec"]["redfish"] = {}
     args = desired_deployment(bmc, "vm", Settings(), creds, tls)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--redfish-require-tls" not in args  # off by default: no flag, no rollout for existing BMCs
+
+
+# ---- conditional GET, empty bodies, POST to a collection's Members
+
+
+def test_if_none_match_with_the_current_etag_is_304(client: FlaskClient, machine: MemoryMachine) -> None:
+    first = client.get(SYSTEM, headers=AUTH)
+    etag = first.headers["ETag"]
+    again = client.get(SYSTEM, headers={**AUTH, "If-None-Match": etag})
+    assert again.status_code == 304 and again.data == b"" and again.headers["ETag"] == etag
+    assert client.get(SYSTEM, headers={**AUTH, "If-None-Match": f"W/{etag}"}).status_code == 304  # weak comparison
+    machine.set_boot_override(BootOverride(BootTarget.PXE, BootEnabled.ONCE))
+    changed = client.get(SYSTEM, headers={**AUTH, "If-None-Match": etag})
+    assert changed.status_code == 200 and changed.headers["ETag"] != etag
+    assert changed.json["Boot"]["BootSourceOverrideTarget"] == "Pxe"  # type: ignore[index]
+
+
+def test_an_empty_body_labelled_as_form_data_is_not_415(client: FlaskClient) -> None:
+    # curl -X POST -d '' labels an empty body application/x-www-form-urlencoded: nothing to refuse as a media type
+    resp = client.post(f"{SYSTEM}/Actions/ComputerSystem.Reset", data="",
+                       headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"})
+    assert resp.status_code == 400 and "HeaderInvalid" not in message_ids(resp)
+
+
+def test_post_to_a_collections_members_creates_as_the_collection_does(client: FlaskClient,
+                                                                     machine: MemoryMachine) -> None:
+    volumes = f"{SYSTEM}/Storage/1/Volumes"
+    before = len(client.get(volumes, headers=AUTH).json["Members"])  # type: ignore[index]
+    created = client.post(f"{volumes}/Members", json={"CapacityBytes": 2**30, "RAIDType": "None"}, headers=AUTH)
+    assert created.status_code == 201 and created.headers["Location"].startswith(f"{volumes}/")
+    assert len(client.get(volumes, headers=AUTH).json["Members"]) == before + 1  # type: ignore[index]
+    subscriptions = "/redfish/v1/EventService/Subscriptions"
+    sub = client.post(f"{subscriptions}/Members", headers=AUTH,
+                      json={"Destination": "https://listener.example.com/events", "Protocol": "Redfish"})
+    assert sub.status_code == 201, sub.json
+    assert client.get(sub.headers["Location"], headers=AUTH).status_code == 200
+    assert client.get(f"{subscriptions}/Members", headers=AUTH).status_code == 404  # not a subscription

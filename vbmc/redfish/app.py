@@ -148,9 +148,11 @@ def _protocol_checks(app: Flask) -> None:
                     raise RedfishError(501, "QueryParameterUnsupported", name)
         content_type = request.headers.get("Content-Type")
         if content_type is not None and request.method in ("POST", "PATCH", "PUT") and \
-                request.mimetype != "application/json":
-            # DSP0266 "Request headers": a body in another media type is 415. A body without a Content-Type is
-            # read as JSON (scripts that send one without the header keep working).
+                request.mimetype != "application/json" and \
+                (request.content_length or "chunked" in request.headers.get("Transfer-Encoding", "")):
+            # DSP0266 "Request headers": a body in another media type is 415; an empty one has no media type to
+            # refuse (curl -d '' labels it form data). A body without a Content-Type is read as JSON (scripts that
+            # send one without the header keep working).
             raise RedfishError(415, "HeaderInvalid", f"Content-Type: {content_type}",
                                detail="Request bodies must be application/json.")
 

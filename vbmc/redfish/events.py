@@ -63,13 +63,19 @@ def blueprint(svc: Service) -> Blueprint:
         rendered = svc.cache.get("event_service", "EventService", _settings(events), lambda: _render(events))
         return svc.send(rendered, etag=True)
 
+    def subscribe() -> Response:
+        sub = events_call(events.create, parse_subscription(svc.body(), origins_allowed()))
+        return svc.send_doc("EventDestination", resources.event_destination(sub), 201,
+                            headers={"Location": f"{SUBSCRIPTIONS}/{sub.id}"})
+
+    @route(bp, f"{SUBSCRIPTIONS}/Members", ("POST",))
+    def subscription_members() -> Response:
+        return subscribe()  # DSP0266 "POST (create)": a POST to a collection's Members is a POST to the collection
+
     @route(bp, SUBSCRIPTIONS, ("GET", "POST"))
     def subscriptions() -> Response:
         if request.method == "POST":
-            sub = events_call(events.create, parse_subscription(svc.body(), origins_allowed()))
-            location = f"{SUBSCRIPTIONS}/{sub.id}"
-            return svc.send_doc("EventDestination", resources.event_destination(sub), 201,
-                                headers={"Location": location})
+            return subscribe()
         members = [f"{SUBSCRIPTIONS}/{s.id}" for s in events_call(events.subscriptions)]
         return svc.send_doc("EventDestinationCollection", resources.collection(
             "EventDestinationCollection", SUBSCRIPTIONS, "Event Subscriptions", members))

@@ -134,6 +134,9 @@ class Service:
             head.append(("Allow", self.allow[rule.endpoint]))
         if etag:
             head.append(("ETag", rendered.etag))
+            if status == 200 and request.method == "GET" and self._not_modified(rendered.etag):
+                # RFC 9110 13.1.2 (DSP0266 lists If-None-Match): the client's copy is current.
+                return Response(status=304, headers=head)
         if headers:
             head.extend(headers.items())
         body = rendered.body
@@ -163,6 +166,15 @@ class Service:
     @staticmethod
     def body() -> dict[str, Any]:
         return payloads.load_json(request.get_data(cache=False))
+
+    @staticmethod
+    def _not_modified(etag: str) -> bool:
+        header = request.headers.get("If-None-Match")
+        if not header:
+            return False
+        # If-None-Match compares weakly (RFC 9110 13.1.2): W/"x" matches "x".
+        tags = {t.strip().removeprefix("W/") for t in header.split(",")}
+        return "*" in tags or etag in tags
 
     @staticmethod
     def check_if_match(current: Rendered) -> None:

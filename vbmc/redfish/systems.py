@@ -168,15 +168,22 @@ def blueprint(svc: Service) -> Blueprint:
         return svc.send(cache.get("controller", "StorageController", inv,
                                   lambda: resources.storage_controller(ids, inv)))
 
+    def create_volume() -> Response:
+        # Ironic's RAID interface creates volumes; on a VM a volume is a new blank disk for the next boot.
+        created = payloads.parse_patch(payloads.VolumeCreate, svc.body(), {})
+        name = machine.create_disk(created.CapacityBytes)
+        found = next(d for d in resources.disks(machine.inventory()) if d.name == name)
+        return svc.send_doc("Volume", resources.volume(ids, found), 201,
+                            headers={"Location": f"{storage}/Volumes/{name}"})
+
+    @route(bp, f"{storage}/Volumes/Members", ("POST",))
+    def volume_members() -> Response:
+        return create_volume()  # DSP0266: a POST to a collection's Members is a POST to the collection
+
     @route(bp, f"{storage}/Volumes", ("GET", "POST"))
     def volumes() -> Response:
         if request.method == "POST":
-            # Ironic's RAID interface creates volumes; on a VM a volume is a new blank disk for the next boot.
-            created = payloads.parse_patch(payloads.VolumeCreate, svc.body(), {})
-            name = machine.create_disk(created.CapacityBytes)
-            found = next(d for d in resources.disks(machine.inventory()) if d.name == name)
-            return svc.send_doc("Volume", resources.volume(ids, found), 201,
-                                headers={"Location": f"{storage}/Volumes/{name}"})
+            return create_volume()
         inv = machine.inventory()
         return svc.send(cache.get("volumes", "VolumeCollection", inv, lambda: resources.volume_collection(ids, inv)))
 
