@@ -45,10 +45,16 @@ def low_udp_port() -> int:
     raise RuntimeError("no free UDP port below 32768")
 
 
+def ipmitool_argv(host: str, port: int, *args: str, cipher: str = "17", user: str = USER,
+                  password: str = PASSWORD) -> list[str]:
+    """The command line of ipmitool over lanplus with the test credentials (for subprocess and pexpect)."""
+    return ["ipmitool", "-I", "lanplus", "-C", cipher, "-H", host, "-p", str(port), "-U", user, "-P", password, *args]
+
+
 def ipmitool_at(host: str, port: int, *args: str, cipher: str = "17") -> subprocess.CompletedProcess[str]:
     """ipmitool over lanplus with the test credentials."""
-    return subprocess.run(["ipmitool", "-I", "lanplus", "-C", cipher, "-H", host, "-p", str(port), "-U", USER,
-                           "-P", PASSWORD, "-R", "2", "-N", "1", *args], capture_output=True, text=True, timeout=30)
+    return subprocess.run(ipmitool_argv(host, port, "-R", "2", "-N", "1", *args, cipher=cipher),
+                          capture_output=True, text=True, timeout=30)
 
 
 def redfish_at(base: str, method: str, path: str, body: Any = None, timeout: float = 5) -> tuple[int, Any]:

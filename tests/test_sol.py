@@ -14,7 +14,7 @@ from vbmc.ipmi.server import IpmiServer
 from vbmc.machine import PowerState, ResetType
 from vbmc.memory import MemoryMachine
 
-from .agents import low_udp_port
+from .agents import ipmitool_argv, low_udp_port
 from .conftest import wait_for
 from .test_ipmi import PASSWORD, USER, freeipmi, ipmitool, require
 
@@ -33,9 +33,8 @@ def bmc(machine: MemoryMachine) -> Iterator[IpmiServer]:
 
 
 def ipmitool_command(bmc: IpmiServer, *args: str) -> str:
-    host, port = bmc.address
-    return " ".join([require("ipmitool"), "-I", "lanplus", "-C", "17", "-H", host, "-p", str(port), "-U", USER,
-                     "-P", PASSWORD, *args])
+    require("ipmitool")
+    return " ".join(ipmitool_argv(*bmc.address, *args, user=USER, password=PASSWORD))
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pexpect
 import pytest
 from kubernetes import client
 
-from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, low_udp_port
+from .agents import PASSWORD, USER, AgentProcess, agent_for_vm, ipmitool_argv, low_udp_port
 from .conftest import Sim, call, install_bmc_crd, start_sim, wait_for
 from .test_sol import OPERATIONAL
 from .vms import printable, running_vmi_uid
@@ -41,8 +41,7 @@ def agent(own_sim: Sim, api: client.ApiClient, namespace: str) -> Iterator[Agent
 
 
 def ipmitool_line(agent: AgentProcess, *args: str) -> list[str]:
-    return ["ipmitool", "-I", "lanplus", "-H", "127.0.0.1", "-p", str(agent.ipmi_port), "-U", USER, "-P", PASSWORD,
-            *args]
+    return ipmitool_argv("127.0.0.1", agent.ipmi_port, *args)
 
 
 def sol(agent: AgentProcess) -> pexpect.spawn:

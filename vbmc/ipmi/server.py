@@ -68,7 +68,6 @@ class SolPayload:
         self.session = session
         self.link = link
         self.bridge: ConsoleBridge
-        self.due: float | None = None  # when link.poll() is next due
 
 
 class Command(NamedTuple):
@@ -288,8 +287,9 @@ class IpmiServer:
         sock, wake = self._socket, self._wake[0]
         while not self._stopping.is_set():
             timeout = POLL_INTERVAL
-            if self._sol is not None and self._sol.due is not None:
-                timeout = min(timeout, max(0.0, self._sol.due - time.monotonic()))
+            due = self._sol.link.due if self._sol is not None else None
+            if due is not None:
+                timeout = min(timeout, max(0.0, due - time.monotonic()))
             try:
                 readable, _, _ = select.select((sock, wake), (), (), timeout)
             except (OSError, ValueError):
@@ -302,8 +302,8 @@ class IpmiServer:
             if sock in readable:
                 self._receive(sock)
             now = time.monotonic()
-            if self._sol is not None:
-                self._sol.due = self._sol.link.poll(now)
+            if self._sol is not None and self._sol.link.due is not None and now >= self._sol.link.due:
+                self._sol.link.poll(now)  # a retransmission or accumulated output; packets and output poll themselves
             if now >= self._next_sweep:  # also when idle: an abandoned RAKP exchange counts as a failed login
                 self._expire_sessions(now)
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from .codec import Completion, Privilege
 
-NETFN_TRANSPORT = 0x0C
 SET_SOL_CONFIGURATION = 0x21
 GET_SOL_CONFIGURATION = 0x22
 # Payload commands (NetFn App, section 24)
@@ -40,13 +39,8 @@ BUFFER_LIMIT = 64 * 1024  # machine output waiting for the console; beyond it th
 PAYLOAD_ALREADY_ACTIVE = 0x80
 PAYLOAD_DEACTIVATED = 0x80  # Deactivate Payload: "payload already deactivated"
 PAYLOAD_DISABLED = 0x81
-ACTIVATION_LIMIT = 0x82
 NEEDS_ENCRYPTION = 0x84  # "cannot activate payload without encryption"
-# Get/Set SOL Configuration Parameters completion codes (tables 26-4 and 26-5)
-PARAMETER_NOT_SUPPORTED = 0x80
-SET_IN_PROGRESS = 0x81
-READ_ONLY_PARAMETER = 0x82
-PARAMETER_REVISION = 0x11
+PARAMETER_REVISION = 0x11  # Get SOL Configuration Parameters
 
 # Operation/status byte (table 15-2)
 NACK = 0x40
@@ -91,15 +85,15 @@ class SolConfig:
             8: struct.pack("<H", port),
         }
         value = values.get(parameter)
-        return (Completion.OK, value) if value is not None else (PARAMETER_NOT_SUPPORTED, b"")
+        return (Completion.OK, value) if value is not None else (Completion.PARAMETER_NOT_SUPPORTED, b"")
 
     def set(self, parameter: int, data: bytes) -> int:
         """Set SOL Configuration Parameters; a completion code, nothing changed unless OK."""
         if parameter in (7, 8):
-            return READ_ONLY_PARAMETER
+            return Completion.READ_ONLY_PARAMETER
         sizes = {0: 1, 1: 1, 2: 1, 3: 2, 4: 2, 5: 1, 6: 1}
         if parameter not in sizes:
-            return PARAMETER_NOT_SUPPORTED
+            return Completion.PARAMETER_NOT_SUPPORTED
         if len(data) != sizes[parameter]:
             return Completion.REQUEST_DATA_LENGTH_INVALID
         if parameter == 0:
@@ -107,7 +101,7 @@ class SolConfig:
             if state == 3:
                 return Completion.INVALID_DATA_FIELD
             if state == 1 and self.set_in_progress == 1:
-                return SET_IN_PROGRESS
+                return Completion.SET_IN_PROGRESS
             self.set_in_progress = 0 if state == 2 else state  # commit write: applied at once, then complete
         elif parameter == 1:
             self.enabled = bool(data[0] & 0x01)
@@ -151,6 +145,7 @@ class SolLink:
         self._retries_left = 0
         self._resend_at = 0.0
         self._last_in: tuple[int, int] | None = None  # the console's last packet: (sequence number, characters)
+        self.due: float | None = None  # when poll() is next due (None: idle); every call below sets it
         self.counters = {"retransmitted": 0, "dropped_packets": 0, "overrun_bytes": 0}
 
     # ---- status
@@ -229,7 +224,12 @@ class SolLink:
         return max(1, self._config.accumulate_interval) * 0.005
 
     def poll(self, now: float) -> float | None:
-        """Send what is due (a retransmission, or accumulated characters); when poll() is next due, None for idle."""
+        """Send what is due (a retransmission, or accumulated characters); when poll() is next due (also kept in
+        `due`), None for idle."""
+        self.due = self._poll(now)
+        return self.due
+
+    def _poll(self, now: float) -> float | None:
         if self._outstanding is not None:
             if now < self._resend_at:
                 return self._resend_at
