@@ -238,3 +238,22 @@ def test_post_to_a_collections_members_creates_as_the_collection_does(client: Fl
     assert sub.status_code == 201, sub.json
     assert client.get(sub.headers["Location"], headers=AUTH).status_code == 200
     assert client.get(f"{subscriptions}/Members", headers=AUTH).status_code == 404  # not a subscription
+
+
+@pytest.mark.parametrize("path", ["/redfish/v1/EventService/Subscriptions/Members",
+                                  f"{SYSTEM}/Storage/1/Volumes/Members"])
+@pytest.mark.parametrize("body", ["{not json", "[]", '{"CapacityBytes": "big", "Destination": 5}'])
+def test_a_malformed_post_to_members_is_400_and_creates_nothing(client: FlaskClient, machine: MemoryMachine,
+                                                                path: str, body: str) -> None:
+    disks = len(machine.inventory().disks)
+    resp = client.post(path, data=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert resp.status_code == 400 and message_ids(resp)
+    assert len(machine.inventory().disks) == disks
+    members = client.get("/redfish/v1/EventService/Subscriptions", headers=AUTH).json["Members"]  # type: ignore[index]
+    assert members == []
+
+
+def test_a_malformed_if_none_match_is_an_ordinary_get(client: FlaskClient) -> None:
+    for header in ("garbage", '"', "W/", ",,,"):
+        resp = client.get(SYSTEM, headers={**AUTH, "If-None-Match": header})
+        assert resp.status_code == 200 and resp.json["Id"] == "vm"  # type: ignore[index]

@@ -302,3 +302,30 @@ def test_malformed_sol_packets_change_nothing(packet: bytes) -> None:
     wire.link.received(packet, now=0.0)
     assert all(len(p) >= 4 for p in wire.sent)
     assert sum(len(d) for d in wire.delivered) <= sol.MAX_CHARACTERS
+
+
+@pytest.mark.parametrize("command, completion", [
+    (["0x06", "0x48", "0x01", "0x01"], "0xc7"),                              # Activate Payload, too short
+    (["0x06", "0x48", "0x01", "0x02", "0xc0", "0", "0", "0"], "0xc9"),       # instance 2: there is one
+    (["0x06", "0x48", "0x01", "0x01", "0x00", "0", "0", "0"], "0x84"),       # without encryption
+    (["0x06", "0x49", "0x01"], "0xc7"),                                      # Deactivate Payload, too short
+    (["0x06", "0x49", "0x01", "0x01", "0", "0", "0", "0"], "0x80"),          # nothing active to deactivate
+    (["0x06", "0x4a"], "0xc7"),                                              # activation status without a type
+    (["0x06", "0x4b", "0x01"], "0xc7"),                                      # instance info without an instance
+    (["0x06", "0x4e"], "0xc7"),                                              # payload support without a channel
+    (["0x06", "0x4e", "0x05"], "0xcc"),                                      # a channel that does not exist
+    (["0x06", "0x4f", "0x01", "0x02"], "0x80"),                              # OEM payload version
+    (["0x0c", "0x22", "0x01", "0x01"], "0xc7"),                              # Get SOL parameter, too short
+    (["0x0c", "0x22", "0x07", "0x01", "0", "0"], "0xcc"),                    # a channel that does not exist
+    (["0x0c", "0x21", "0x01"], "0xc7"),                                      # Set SOL parameter without one
+    (["0x0c", "0x21", "0x01", "0x04", "0x03"], "0xc7"),                      # retry needs two bytes
+    (["0x0c", "0x21", "0x01", "0x02", "0x05"], "0xcc"),                      # privilege 5 does not exist
+    (["0x0c", "0x21", "0x01", "0x05", "0x03"], "0xcc"),                      # an unknown bit rate
+])
+def test_malformed_sol_commands_get_their_completion_code_and_change_nothing(
+        bmc: IpmiServer, command: list[str], completion: str) -> None:
+    before = sol.SolConfig()
+    result = ipmitool(bmc, "raw", *command)
+    assert result.returncode != 0 and f"rsp={completion}" in result.stderr, result.stderr
+    assert bmc._sol is None and bmc.sol_config == before
+    assert ipmitool(bmc, "power", "status").returncode == 0  # the BMC still answers
