@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .desired import MANAGED_BY, MANAGER, OWNER_LABEL
+from .desired import AGENT, MANAGED_BY, MANAGER, NAME_LABEL, OWNER_LABEL, POOL_LABEL
 from .informer import Informer, Key, Kind
 from .kubeapi import KubeApi
 from .settings import FIELD_MANAGER
@@ -32,6 +32,18 @@ ROLE_BINDINGS = Kind("rbac.authorization.k8s.io", "v1", "rolebindings")
 DEPLOYMENTS = Kind("apps", "v1", "deployments")
 CHILD_KINDS = {"ServiceAccount": SERVICE_ACCOUNTS, "Service": SERVICES, "Role": ROLES, "RoleBinding": ROLE_BINDINGS,
                "Deployment": DEPLOYMENTS, "Secret": SECRETS}
+
+
+# The work queue's key for the fleet's rollout (controller/rollout.py): no VirtualMachineBMC has an empty name.
+FLEET: Key = ("", "")
+
+
+def pool_of(bmc: Obj | None) -> str:
+    return str(((bmc or {}).get("spec") or {}).get("agentPool") or "")
+
+
+def is_agent(deployment: Obj | None) -> bool:
+    return ((deployment or {}).get("metadata") or {}).get("labels", {}).get(NAME_LABEL) == AGENT
 
 
 def refs(bmc: Obj) -> tuple[str, list[str]]:
@@ -185,6 +197,9 @@ class Caches:
         self._by_vm: dict[Key, set[str]] = {}      # (ns, vm) -> BMC names
         self._by_secret: dict[Key, set[str]] = {}  # (ns, secret) -> BMC names
         self._refs: dict[Key, tuple[str, list[str]]] = {}
+        self._by_pool: dict[Key, set[str]] = {}  # (ns, pool) -> BMC names
+        self._pools: dict[Key, str] = {}  # (ns, BMC) -> its pool
+        self._pool_agents: set[Key] = set()  # (ns, name) of the pools' Deployments
         selector = f"{MANAGED_BY}={MANAGER}"
         self.bmcs = Informer(api, BMCS, namespace=namespace, transform=without_managed_fields)
         self.vms = Informer(api, VMS, namespace=namespace, keep=self._vm_wanted, transform=slim_vm)
@@ -201,6 +216,7 @@ class Caches:
         for kind, informer in self.children.items():
             if kind != "Secret":
                 informer.handlers.append(self._on_child)
+        self.children["Deployment"].handlers.append(self._on_deployment)
 
     def informers(self) -> list[Informer]:
         return [self.bmcs, self.vms, *self.children.values()]
@@ -228,6 +244,22 @@ class Caches:
             names = list(self._by_vm.get((namespace, vm), ()))
         return [b for b in (self.bmcs.get(namespace, n) for n in names) if b is not None]
 
+    def bmcs_in_pool(self, namespace: str, pool: str) -> list[Obj]:
+        with self._lock:
+            names = list(self._by_pool.get((namespace, pool), ()))
+        return [b for b in (self.bmcs.get(namespace, n) for n in names) if b is not None]
+
+    def pool_deployments(self, namespace: str) -> list[Obj]:
+        """The namespace's pool agents (a few: one per pool)."""
+        informer = self.children["Deployment"]
+        with self._lock:
+            names = [name for ns, name in self._pool_agents if ns == namespace]
+        return [d for d in (informer.get(namespace, n) for n in names) if d is not None]
+
+    def agents(self) -> list[Obj]:
+        """Every agent Deployment, dedicated and pooled: the fleet a rollout goes through."""
+        return [d for d in self.children["Deployment"].list() if is_agent(d)]
+
     # ---- keep predicates and handlers
 
     def _vm_wanted(self, obj: Obj) -> bool:
@@ -251,7 +283,13 @@ class Caches:
         ns, name = meta["namespace"], meta["name"]
         before = self._refs.get((ns, name))
         after = refs(new) if new is not None else None
+        pools = {self._pools.get((ns, name), ""), pool_of(new)}
         with self._lock:
+            old_pool = self._pools.pop((ns, name), "")
+            self._by_pool.get((ns, old_pool), set()).discard(name)
+            if new is not None and pool_of(new):
+                self._pools[(ns, name)] = pool_of(new)
+                self._by_pool.setdefault((ns, pool_of(new)), set()).add(name)
             if before is not None:
                 self._by_vm.get((ns, before[0]), set()).discard(name)
                 for s in before[1]:
@@ -275,6 +313,10 @@ class Caches:
         for vm in {r[0] for r in (before, after) if r is not None}:
             for other in self.bmcs_for_vm(ns, vm):
                 self.enqueue((ns, other["metadata"]["name"]))
+        # A pool's agent serves every member: one joining or leaving changes what the others apply.
+        for pool in pools - {""}:
+            for other in self.bmcs_in_pool(ns, pool):
+                self.enqueue((ns, other["metadata"]["name"]))
 
     def _by_index(self, index: dict[Key, set[str]], obj: Obj | None) -> None:
         if obj is not None:
@@ -293,6 +335,17 @@ class Caches:
         obj = new or old
         self._by_index(self._by_secret, obj)
         self._on_child(old, new)
+
+    def _on_deployment(self, old: Obj | None, new: Obj | None) -> None:
+        meta = (new or old or {}).get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        with self._lock:
+            if new is not None and POOL_LABEL in (meta.get("labels") or {}):
+                self._pool_agents.add(key)
+            else:
+                self._pool_agents.discard(key)
+        if is_agent(new or old) and changed(old, new):
+            self.enqueue(FLEET)
 
     def _on_child(self, old: Obj | None, new: Obj | None) -> None:
         obj = new or old

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import re
 from typing import Any
 
+from . import rollout
 from .certificates import KeyPair, TLSMaterial
 from .settings import Settings
 from .spec import API_VERSION, KIND, BMCSpec
@@ -247,9 +249,8 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
     ports: list[Obj] = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     if spec.ipmi.enabled:
         ports.insert(0, {"name": "ipmi", "containerPort": IPMI_PORT, "protocol": "UDP"})
-    # The root filesystem is read-only; Python's tempfile needs a writable TMPDIR.
-    mounts: list[Obj] = [{"name": "tmp", "mountPath": RUN_DIR}]
-    volumes: list[Obj] = [{"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}}]
+    mounts: list[Obj] = []
+    volumes: list[Obj] = []
     annotations = {CREDENTIALS_VERSION: credentials_version(credentials)}
     if spec.redfish.enabled and tls_secret is not None:
         args += ["--redfish-tls-address", f"$(POD_IP):{HTTPS_PORT}",
@@ -263,35 +264,186 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
     def from_secret(env: str, key: str) -> Obj:
         return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key}}}
 
-    container: Obj = {
+    env = [from_secret("VBMC_USERNAME", "username"), from_secret("VBMC_PASSWORD", "password")]
+    container = _agent_container(settings, args, ports, env, mounts, {"cpu": "10m", "memory": "64Mi"}, "128Mi")
+    return _agent_deployment(_meta(bmc, name, vm), selector(vm), labels(bmc, vm), annotations, name, settings,
+                             container, volumes)
+
+
+def _agent_container(settings: Settings, args: list[str], ports: list[Obj], env: list[Obj], mounts: list[Obj],
+                     requests: dict[str, str], memory_limit: str) -> Obj:
+    return {
         "name": "agent", "image": settings.agent_image, "args": args,
         **({"imagePullPolicy": settings.agent_image_pull_policy} if settings.agent_image_pull_policy else {}),
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
                 {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"apiVersion": "v1",
                                                                      "fieldPath": "metadata.namespace"}}},
-                {"name": "TMPDIR", "value": RUN_DIR},
-                from_secret("VBMC_USERNAME", "username"), from_secret("VBMC_PASSWORD", "password")],
+                {"name": "TMPDIR", "value": RUN_DIR}, *env],
         "ports": ports,
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http", "scheme": "HTTP"}, "periodSeconds": 1,
                            "timeoutSeconds": 2, "failureThreshold": 3, "successThreshold": 1},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http", "scheme": "HTTP"},
                           "initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 2,
                           "failureThreshold": 3, "successThreshold": 1},
-        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+        "resources": {"requests": requests, "limits": {"memory": memory_limit}},
         "securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
                             "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": mounts,
+        # The root filesystem is read-only; Python's tempfile needs a writable TMPDIR.
+        "volumeMounts": [{"name": "tmp", "mountPath": RUN_DIR}, *mounts],
     }
-    pod_labels = labels(bmc, vm)
+
+
+def _agent_deployment(meta: Obj, match: dict[str, str], pod_labels: dict[str, str], annotations: dict[str, str],
+                      service_account: str, settings: Settings, container: Obj, volumes: list[Obj]) -> Obj:
     pull_secrets = [{"name": secret} for secret in settings.agent_image_pull_secrets]
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(bmc, name, vm), "spec": {
-        "replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector(vm)},
-        "template": {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": {
-            "serviceAccountName": name, "automountServiceAccountToken": True,
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": {
+        "replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": match},
+        # The deployment controller's verdict on a rollout that does not become ready: what halts the fleet's.
+        "progressDeadlineSeconds": settings.rollout_timeout,
+        "template": {"metadata": {"labels": pod_labels, "annotations": {
+            **annotations, rollout.REVISION: rollout.revision(settings)}}, "spec": {
+            "serviceAccountName": service_account, "automountServiceAccountToken": True,
             "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
             **({"imagePullSecrets": pull_secrets} if pull_secrets else {}),
-            "containers": [container], "volumes": volumes}}}}
+            "containers": [container],
+            "volumes": [{"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}}, *volumes]}}}}
+
+
+# ---- pools: one agent Deployment serving every BMC of a namespace that names the pool (spec.agentPool)
+
+POOL_LABEL = "bmc.kubevirt.io/pool"
+POOL_SUFFIX = "-virtbmc-pool"  # never a dedicated child's name: those end in -virtbmc
+POOL_CONFIG_KEY = "pool.json"
+# Member slot k listens on these plus k; its Service maps 623, 80 and 443 to them.
+POOL_IPMI_BASE, POOL_HTTP_BASE, POOL_HTTPS_BASE = 20000, 30000, 40000
+# The pool's Secret carries every member's credentials and certificate: this many stay well within the API's
+# 1 MiB object size, and one agent serves them in well under its memory limit (docs/reference.md).
+MAX_POOL_MEMBERS = 200
+
+
+def pool_name(pool: str) -> str:
+    """The pool's Deployment, ServiceAccount, Role, RoleBinding and Secret (spec.agentPool is a DNS label of at
+    most 40 characters, so this is one too)."""
+    return pool + POOL_SUFFIX
+
+
+def pool_selector(pool: str) -> dict[str, str]:
+    return {NAME_LABEL: AGENT, POOL_LABEL: pool}
+
+
+def pool_labels(pool: str) -> dict[str, str]:
+    return {MANAGED_BY: MANAGER, **pool_selector(pool)}
+
+
+def slot_ports(slot: int) -> tuple[int, int, int]:
+    """(IPMI, HTTP, HTTPS) ports of member slot `slot` on the pool's pod."""
+    return POOL_IPMI_BASE + slot, POOL_HTTP_BASE + slot, POOL_HTTPS_BASE + slot
+
+
+def slot_of(service: Obj | None) -> int | None:
+    """The slot a member's Service points at (its targetPorts), None for a dedicated agent's Service."""
+    for port in ((service or {}).get("spec") or {}).get("ports") or []:
+        target = port.get("targetPort")
+        for base in (POOL_IPMI_BASE, POOL_HTTP_BASE, POOL_HTTPS_BASE):
+            if isinstance(target, int) and base <= target < base + MAX_POOL_MEMBERS:
+                return target - base
+    return None
+
+
+def pool_owner_reference(bmc: Obj) -> Obj:
+    """Every member owns the pool's objects (none controls them): the garbage collector removes them with the
+    last member."""
+    return {**owner_reference(bmc), "controller": False}
+
+
+def _pool_meta(namespace: str, pool: str, members: list[Obj]) -> Obj:
+    return {"name": pool_name(pool), "namespace": namespace, "labels": pool_labels(pool),
+            "ownerReferences": [pool_owner_reference(b) for b in sorted(members, key=lambda b: b["metadata"]["name"])]}
+
+
+def desired_member_service(bmc: Obj, vm: str, pool: str, slot: int, default_type: str = "ClusterIP") -> Obj:
+    """A pooled BMC's own Service: the same name, type and ports as a dedicated agent's, pointing at its slot on
+    the pool's pod."""
+    service = desired_service(bmc, vm, default_type)
+    ports = dict(zip(("ipmi", "http", "https"), slot_ports(slot), strict=True))
+    service["spec"]["selector"] = pool_selector(pool)
+    service["spec"]["ports"] = [{**p, "targetPort": ports[p["name"]]} for p in service["spec"]["ports"]]
+    return service
+
+
+def desired_pool_service_account(namespace: str, pool: str, members: list[Obj]) -> Obj:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _pool_meta(namespace, pool, members)}
+
+
+def desired_pool_role(namespace: str, pool: str, members: list[Obj], served: list[tuple[Obj, str, list[str]]]) -> Obj:
+    """The union of the served members' Roles (`desired_role`: their VMs, VMIs, VirtualMachineBMCs, Secrets and
+    DataVolumes by name), and the pool's own Secret: exactly what the members' agents would hold."""
+    named: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]], set[str]] = {}
+    unnamed: list[Obj] = []
+    for bmc, vm, cdroms in served:
+        for rule in desired_role(bmc, vm, cdroms)["rules"]:
+            key = (tuple(rule["apiGroups"]), tuple(rule["resources"]), tuple(rule["verbs"]))
+            if "resourceNames" in rule:
+                named.setdefault(key, set()).update(rule["resourceNames"])
+            elif rule not in unnamed:
+                unnamed.append(rule)
+    rules: list[Obj] = [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [pool_name(pool)],
+                         "verbs": ["get", "list", "watch"]}]
+    rules += [{"apiGroups": list(groups), "resources": list(resources), "resourceNames": sorted(names),
+               "verbs": list(verbs)} for (groups, resources, verbs), names in sorted(named.items())]
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _pool_meta(namespace, pool, members), "rules": rules + unnamed}
+
+
+def desired_pool_role_binding(namespace: str, pool: str, members: list[Obj]) -> Obj:
+    name = pool_name(pool)
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": _pool_meta(namespace, pool, members),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]}
+
+
+def pool_member(bmc: Obj, vm: str, slot: int, credentials: Obj, tls_secret: Obj | None) -> Obj:
+    """One member as the pool's agent reads it (vbmc/pool.py): who, where, its credentials and certificate."""
+    spec = BMCSpec.of(bmc)
+    ipmi, http, https = slot_ports(slot)
+    data = credentials.get("data") or {}
+    cert = _b64text((tls_secret or {}).get("data", {}).get("tls.crt")) if spec.redfish.enabled else ""
+    key = _b64text((tls_secret or {}).get("data", {}).get("tls.key")) if spec.redfish.enabled else ""
+    return {"name": bmc["metadata"]["name"], "vm": vm, "username": _b64text(data.get("username")),
+            "password": _b64text(data.get("password")), "ipmi": spec.ipmi.enabled, "redfish": spec.redfish.enabled,
+            "requireTLS": spec.redfish.require_tls, "ipmiPort": ipmi, "httpPort": http,
+            "httpsPort": https if cert and key else 0, "tlsCert": cert, "tlsKey": key,
+            "subscriptionsSecret": events_secret_name(vm) if spec.redfish.enabled else ""}
+
+
+def _b64text(value: Any) -> str:
+    try:
+        return base64.b64decode(str(value or "")).decode()
+    except (ValueError, UnicodeDecodeError):
+        return ""
+
+
+def desired_pool_secret(namespace: str, pool: str, members: list[Obj], entries: list[Obj]) -> Obj:
+    """The pool's membership, read by its agent through a watch: adding or removing a member changes this
+    Secret, never the pod template, so the agent restarts for nobody."""
+    config = json.dumps({"members": sorted(entries, key=lambda e: e["name"])}, sort_keys=True, separators=(",", ":"))
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _pool_meta(namespace, pool, members), "type": "Opaque",
+            "data": {POOL_CONFIG_KEY: base64.b64encode(config.encode()).decode()}}
+
+
+def desired_pool_deployment(namespace: str, pool: str, members: list[Obj], settings: Settings) -> Obj:
+    """The pool's agent: one process for every member, configured by the pool's Secret (nothing about the
+    members is in the pod template)."""
+    name = pool_name(pool)
+    args = ["agent", "--pool", pool, "--namespace", "$(POD_NAMESPACE)", "--pool-secret", name,
+            "--address", "$(POD_IP)", "--redfish-address", f"$(POD_IP):{HTTP_PORT}",
+            "--log-level", settings.agent_log_level]
+    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    container = _agent_container(settings, args, ports, [], [], {"cpu": "50m", "memory": "128Mi"}, "1Gi")
+    return _agent_deployment(_pool_meta(namespace, pool, members), pool_selector(pool), pool_labels(pool), {},
+                             name, settings, container, [])
 
 
 def credentials_problem(spec: BMCSpec, secret: Obj | None) -> tuple[str, str] | None:

@@ -18,3 +18,10 @@ bmcs_total = Gauge("kubevbmc_controller_bmcs", "VirtualMachineBMCs in the cache"
 api_writes = Counter("kubevbmc_controller_api_writes_total", "Write requests to the API server, by verb",
                      ["verb"], registry=registry)
 leader = Gauge("kubevbmc_controller_leader", "1 while this replica holds the leader Lease", registry=registry)
+agents = Gauge("kubevbmc_controller_agents", "Agent Deployments (dedicated and pools)", registry=registry)
+agents_outdated = Gauge("kubevbmc_controller_agents_outdated",
+                        "Agent Deployments not yet at the current agent revision (a rollout in progress or halted)",
+                        registry=registry)
+rollout_halted = Gauge("kubevbmc_controller_rollout_halted",
+                       "1 while the agents' rollout is halted by an updated agent that did not become ready",
+                       registry=registry)

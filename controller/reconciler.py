@@ -21,14 +21,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from . import certificates, desired
-from .caches import BMCS, CHILD_KINDS, Caches
+from . import certificates, desired, metrics, rollout
+from .caches import BMCS, CHILD_KINDS, FLEET, Caches, pool_of
 from .events import EventRecorder
 from .informer import Key
 from .kubeapi import APPLY, MERGE_PATCH, ApiError, KubeApi
 from .settings import Settings
 from .spec import BMCSpec
 from .status import (
+    AGENT_UP_TO_DATE,
     IN_PROGRESS,
     Observed,
     desired_status,
@@ -45,6 +46,17 @@ Obj = dict[str, Any]
 @dataclass(frozen=True)
 class Result:
     requeue_after: float = 0.0
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """A pool as the caches show it: every VirtualMachineBMC naming it (the owners of its objects), each one's
+    slot (kept from its Service, else the lowest free one, oldest BMC first), and the members the agent serves
+    (their VM and Secrets usable, and not in conflict over their VM): (BMC, VM, credentials Secret, slot)."""
+
+    owners: list[Obj]
+    slots: dict[str, int]
+    served: list[tuple[Obj, str, Obj, int]]
 
 
 # Answers that say the request itself is wrong (not a passing state): retrying the same object cannot help.
@@ -149,6 +161,12 @@ class Reconciler:
         # BMCs whose rollout moved on while a progress report waits (monotonic time since when), so that a rollout
         # is reported at most every PROGRESS_INTERVAL seconds rather than at each of its steps.
         self._progress_since: dict[Key, float] = {}
+        # The fleet's rollout plan, computed again after any agent Deployment changed (a cache event or our write).
+        self._fleet_version = 0
+        self._fleet_plan: tuple[int, rollout.Plan] | None = None
+        self._fleet_phase: tuple[str, Key | None] | None = None  # what the last fleet pass woke everyone for
+        # One member's reconcile at a time computes and applies a pool's objects.
+        self._pool_locks: dict[Key, threading.Lock] = {}
         for kind, informer in (("VirtualMachineBMC", caches.bmcs), *caches.children.items()):
             informer.handlers.append(functools.partial(self._seen, kind))
 
@@ -166,6 +184,8 @@ class Reconciler:
         meta = (new or old or {}).get("metadata") or {}
         key = (kind, meta.get("namespace", ""), meta.get("name", ""))
         with self._lock:
+            if kind == "Deployment":
+                self._fleet_version += 1
             written = self._written.get(key)
             if written is not None and (new is None or _rv(new) >= _rv(written)):
                 del self._written[key]
@@ -180,12 +200,16 @@ class Reconciler:
         namespace, name = meta.get("namespace", ""), meta.get("name", "")
         informer = self.caches.bmcs if kind == "VirtualMachineBMC" else self.caches.children[kind]
         with self._lock:
+            if kind == "Deployment":
+                self._fleet_version += 1
             if _rv(informer.get(namespace, name)) < _rv(obj) and not informer.seen_through(_rv(obj)):
                 self._written[(kind, namespace, name)] = obj
 
     # ---- the loop
 
     def reconcile(self, key: Key) -> Result:
+        if key == FLEET:
+            return self.reconcile_fleet()
         namespace, name = key
         bmc = self._cached("VirtualMachineBMC", namespace, name)
         if bmc is None or (bmc.get("metadata") or {}).get("deletionTimestamp"):
@@ -219,25 +243,37 @@ class Reconciler:
             return Result(requeue_after=2.0)
 
         created: list[str] = []  # one Event names every child this pass created, even if a later write fails
+        pool = spec.agent_pool or ""
         try:
-            service, deployment = self._apply_children(bmc, spec, vm, secret, problem or tls_problem, created)
+            self._leave_pools(bmc, pool)
+            if pool:
+                service, deployment, up_to_date = self._apply_pooled(bmc, spec, vm, problem or tls_problem, created)
+            else:
+                service, deployment, up_to_date = self._apply_children(bmc, spec, vm, secret, problem or tls_problem,
+                                                                       created)
         except ChildRejected as exc:
             self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
-                                             tls_problem=tls_problem, rejected=str(exc)))
+                                             tls_problem=tls_problem, rejected=str(exc), pool=pool))
             raise
         finally:
             if created:
                 self.recorder.event(bmc, "Normal", "Created", "created " + ", ".join(created))
+        if service is None:  # a pool without a free place
+            return self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
+                                                    tls_problem=tls_problem, pool=pool, pool_full=True))
         certificate = self._certificate(namespace, spec) if deployment is not None else {}
         result = self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
                                                   tls_problem=tls_problem, cluster_ip=_cluster_ip(service),
                                                   external=load_balancer_address(service),
-                                                  deployment=deployment, certificate=certificate))
+                                                  deployment=deployment, certificate=certificate, pool=pool,
+                                                  up_to_date=up_to_date))
         return self._until_renewal(result, certificate)
 
     def _apply_children(self, bmc: Obj, spec: BMCSpec, vm: Obj | None, secret: Obj | None,
-                        problem: tuple[str, str] | None, created: list[str]) -> tuple[Obj, Obj | None]:
-        """Apply the children; the agent only when its VM and Secrets are usable. Returns (Service, agent)."""
+                        problem: tuple[str, str] | None, created: list[str]
+                        ) -> tuple[Obj, Obj | None, tuple[bool, str, str] | None]:
+        """Apply the children; the agent only when its VM and Secrets are usable. Returns (Service, agent, its
+        AgentUpToDate)."""
         namespace, vm_name = bmc["metadata"]["namespace"], spec.virtual_machine_ref.name
         tls_ref = spec.redfish.tls.secret_ref.name if spec.redfish.tls.secret_ref else ""
         self._apply(bmc, desired.desired_service_account(bmc, vm_name), created)
@@ -249,15 +285,189 @@ class Reconciler:
             self._apply(bmc, desired.desired_events_secret(bmc, vm_name), created)
         if vm is None or problem is not None:
             why = "the VirtualMachine is missing" if vm is None else (problem or ("", ""))[1]
-            self._remove_agent(bmc, vm_name, why)
-            return service, None
+            self._remove_child(bmc, "Deployment", desired.child_name(vm_name), why)
+            return service, None, None
         tls_secret = None
         if spec.redfish.enabled:
             tls_secret = (self.caches.secrets.get(namespace, tls_ref) if tls_ref
                           else self._tls_secret(bmc, vm_name, service, created))
         assert secret is not None
-        return service, self._apply(
-            bmc, desired.desired_deployment(bmc, vm_name, self.settings, secret, tls_secret), created)
+        deployment, up_to_date = self._apply_agent(
+            bmc, desired.child_name(vm_name),
+            lambda settings: desired.desired_deployment(bmc, vm_name, settings, secret, tls_secret), created)
+        return service, deployment, up_to_date
+
+    # ---- pools
+
+    def _apply_pooled(self, bmc: Obj, spec: BMCSpec, vm: Obj | None, problem: tuple[str, str] | None,
+                      created: list[str]) -> tuple[Obj | None, Obj | None, tuple[bool, str, str] | None]:
+        """A member's own children (its Service, Secrets) and the pool's objects. Returns (its Service, None when
+        the pool has no place for it; the pool's agent when it serves this BMC; AgentUpToDate)."""
+        namespace, name, vm_name = bmc["metadata"]["namespace"], bmc["metadata"]["name"], spec.virtual_machine_ref.name
+        pool = spec.agent_pool or ""
+        with self._pool_lock(namespace, pool):
+            plan = self._pool_plan(namespace, pool)
+            slot = plan.slots.get(name)
+            if slot is None:
+                return None, None, None
+            service = self._apply(bmc, desired.desired_member_service(
+                bmc, vm_name, pool, slot, self.settings.default_service_type), created)
+            if spec.redfish.enabled:
+                self._apply(bmc, desired.desired_events_secret(bmc, vm_name), created)
+                if vm is not None and problem is None and not spec.redfish.tls.secret_ref:
+                    self._tls_secret(bmc, vm_name, service, created)
+            deployment, up_to_date = self._apply_pool(bmc, namespace, pool, plan, created)
+        for kind in ("Deployment", "RoleBinding", "Role", "ServiceAccount"):  # a dedicated agent's, if any
+            self._remove_child(bmc, kind, desired.child_name(vm_name), f"served by agent pool {pool}")
+        serves = any(member["metadata"]["name"] == name for member, *_ in plan.served)
+        return service, deployment if serves else None, up_to_date if serves else None
+
+    def _pool_lock(self, namespace: str, pool: str) -> threading.Lock:
+        with self._lock:
+            return self._pool_locks.setdefault((namespace, pool), threading.Lock())
+
+    def _pool_plan(self, namespace: str, pool: str) -> PoolPlan:
+        owners = sorted((b for b in self.caches.bmcs_in_pool(namespace, pool)
+                         if pool_of(b) == pool and not b["metadata"].get("deletionTimestamp")),
+                        key=lambda b: b["metadata"]["name"])
+        oldest_first = sorted(owners, key=lambda b: (str(b["metadata"].get("creationTimestamp") or ""),
+                                                     b["metadata"]["name"]))
+        specs: dict[str, BMCSpec] = {}
+        for b in oldest_first:
+            try:
+                specs[b["metadata"]["name"]] = BMCSpec.of(b)
+            except ValidationError:
+                continue
+        slots: dict[str, int] = {}
+        for name, spec in specs.items():  # a member keeps the slot its Service points at
+            kept = desired.slot_of(self._cached("Service", namespace,
+                                                desired.child_name(spec.virtual_machine_ref.name)))
+            if kept is not None and kept not in slots.values():
+                slots[name] = kept
+        free = iter(k for k in range(desired.MAX_POOL_MEMBERS) if k not in set(slots.values()))
+        for name in specs:
+            if name not in slots:
+                slot = next(free, None)
+                if slot is not None:
+                    slots[name] = slot
+        served = []
+        for b in oldest_first:
+            name = b["metadata"]["name"]
+            member = specs.get(name)
+            if member is None or name not in slots:
+                continue
+            spec = member
+            vm = spec.virtual_machine_ref.name
+            secret = self.caches.secrets.get(namespace, spec.auth_secret_ref.name) if spec.auth_secret_ref else None
+            tls_ref = spec.redfish.tls.secret_ref
+            if (self._serving(namespace, vm) != name or self.caches.vms.get(namespace, vm) is None
+                    or desired.credentials_problem(spec, secret) is not None
+                    or (spec.redfish.enabled and tls_ref and self._tls_problem(namespace, tls_ref.name))):
+                continue
+            assert secret is not None
+            served.append((b, vm, secret, slots[name]))
+        return PoolPlan(owners=owners, slots=slots, served=served)
+
+    def _apply_pool(self, actor: Obj, namespace: str, pool: str, plan: PoolPlan,
+                    created: list[str]) -> tuple[Obj | None, tuple[bool, str, str] | None]:
+        """The pool's ServiceAccount, Role (its members' objects by name), RoleBinding, Secret (its members) and
+        Deployment, in that order: the agent may read a member's objects before it learns of the member."""
+        owners = plan.owners
+        entries, grants = [], []
+        for member, vm, secret, slot in plan.served:
+            spec = BMCSpec.of(member)
+            tls = None
+            if spec.redfish.enabled:
+                ref = spec.redfish.tls.secret_ref
+                tls = (self.caches.secrets.get(namespace, ref.name) if ref
+                       else self._cached("Secret", namespace, desired.tls_secret_name(vm)))
+            entries.append(desired.pool_member(member, vm, slot, secret, tls))
+            grants.append((member, vm, desired.cdrom_disks(self.caches.vms.get(namespace, vm))))
+        self._apply(actor, desired.desired_pool_service_account(namespace, pool, owners), created)
+        self._apply(actor, desired.desired_pool_role(namespace, pool, owners, grants), created)
+        self._apply(actor, desired.desired_pool_role_binding(namespace, pool, owners), created)
+        self._apply(actor, desired.desired_pool_secret(namespace, pool, owners, entries), created)
+        return self._apply_agent(
+            actor, desired.pool_name(pool),
+            lambda settings: desired.desired_pool_deployment(namespace, pool, owners, settings), created)
+
+    def _leave_pools(self, bmc: Obj, pool: str) -> None:
+        """Pools this BMC owns objects of but no longer names (it went dedicated, or to another pool): applied
+        again without it, or deleted when it was their last member."""
+        namespace, uid = bmc["metadata"]["namespace"], bmc["metadata"]["uid"]
+        for deployment in self.caches.pool_deployments(namespace):
+            labels = deployment["metadata"].get("labels") or {}
+            other = str(labels.get(desired.POOL_LABEL) or "")
+            if other == pool or uid not in {r.get("uid") for r in deployment["metadata"].get("ownerReferences") or []}:
+                continue
+            with self._pool_lock(namespace, other):
+                plan = self._pool_plan(namespace, other)
+                if plan.owners:
+                    self._apply_pool(bmc, namespace, other, plan, [])
+                    continue
+                for kind in ("Deployment", "Secret", "RoleBinding", "Role", "ServiceAccount"):
+                    self._remove_child(bmc, kind, desired.pool_name(other),
+                                       f"agent pool {other} has no member left", owned=False)
+
+    # ---- the fleet's rollout
+
+    def _plan(self) -> rollout.Plan:
+        """The rollout plan (controller/rollout.py) of every agent Deployment, our own writes overlaid."""
+        with self._lock:
+            version, memo = self._fleet_version, self._fleet_plan
+            if memo is not None and memo[0] == version:
+                return memo[1]
+            written = [w for (kind, _, _), w in self._written.items() if kind == "Deployment"]
+        agents = {rollout.key_of(d): d for d in self.caches.agents()}
+        for w in written:
+            if _rv(w) > _rv(agents.get(rollout.key_of(w))):
+                agents[rollout.key_of(w)] = w
+        plan = rollout.plan(agents.values(), self.settings)
+        with self._lock:
+            if self._fleet_version == version:
+                self._fleet_plan = (version, plan)
+        return plan
+
+    def _apply_agent(self, bmc: Obj, name: str, render: Callable[[Settings], Obj],
+                     created: list[str]) -> tuple[Obj | None, tuple[bool, str, str]]:
+        """Apply an agent Deployment rendered with the fleet's settings when it is up to date or its turn in the
+        rollout has come; else with the settings it runs (a change of its own inputs still applies at once), or
+        not at all when another controller version rendered it. Returns (the Deployment, AgentUpToDate)."""
+        namespace = bmc["metadata"]["namespace"]
+        have = self._cached("Deployment", namespace, name)
+        settings: Settings | None = self.settings
+        target = rollout.revision(self.settings)
+        state = (True, "UpToDate", f"the agent runs revision {target} ({self.settings.agent_image})")
+        if have is not None and rollout.revision_of(have) != target:
+            state = self._plan().state((namespace, name))
+            if not state[0]:
+                settings = rollout.running_settings(self.settings, have)
+        if settings is None:
+            return have, state
+        return self._apply(bmc, render(settings), created), state
+
+    def reconcile_fleet(self) -> Result:
+        """After an agent Deployment changed: wake the BMCs whose agents may now be updated, and every waiting one
+        when the rollout halts or resumes (so that their AgentUpToDate says so); the metrics."""
+        plan = self._plan()
+        metrics.agents.set(plan.total)
+        metrics.agents_outdated.set(len(plan.outdated))
+        metrics.rollout_halted.set(1 if plan.halted_by else 0)
+        phase = (plan.target, plan.halted_by)
+        wake = set(plan.allowed)
+        if phase != self._fleet_phase:
+            if plan.halted_by is not None:
+                log.warning("the rollout of agent revision %s (%s) is halted: agent Deployment %s did not become "
+                            "ready (%s); %d agents keep their current revision", plan.target, plan.image,
+                            "/".join(plan.halted_by), plan.halted_why, len(plan.outdated))
+            self._fleet_phase = phase
+            wake |= set(plan.outdated)
+        for namespace, name in wake:
+            deployment = self._cached("Deployment", namespace, name)
+            for ref in ((deployment or {}).get("metadata") or {}).get("ownerReferences") or []:
+                if ref.get("kind") == desired.KIND:
+                    self.caches.enqueue((namespace, str(ref.get("name"))))
+        return Result()
 
     # ---- decisions that read the caches
 
@@ -377,20 +587,24 @@ class Reconciler:
             return result
         return Result(requeue_after=min(wait, result.requeue_after) if result.requeue_after else wait)
 
-    def _remove_agent(self, bmc: Obj, vm: str, why: str) -> None:
-        namespace, name = bmc["metadata"]["namespace"], desired.child_name(vm)
-        have = self.caches.children["Deployment"].get(namespace, name)
-        if have is None:
+    def _remove_child(self, bmc: Obj, kind: str, name: str, why: str, owned: bool = True) -> None:
+        """Delete a child this BMC controls (`owned`), or a pool's object, if the cache has it."""
+        namespace = bmc["metadata"]["namespace"]
+        have = self.caches.children[kind].get(namespace, name)
+        if have is None or (owned and _controller_uid(have) != bmc["metadata"]["uid"]):
             return
         try:
-            self.api.request("DELETE", f"{CHILD_KINDS['Deployment'].path(namespace)}/{name}", {
+            self.api.request("DELETE", f"{CHILD_KINDS[kind].path(namespace)}/{name}", {
                 "apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background",
                 "preconditions": {"uid": have["metadata"]["uid"]}})
         except ApiError as exc:
             if exc.status not in (404, 409):
                 raise
             return
-        self.recorder.event(bmc, "Normal", "AgentRemoved", f"deleted Deployment {name}: {why}")
+        if kind == "Deployment":
+            self.recorder.event(bmc, "Normal", "AgentRemoved", f"deleted Deployment {name}: {why}")
+        else:
+            self.recorder.event(bmc, "Normal", "Deleted", f"deleted {kind} {name}: {why}")
 
     def _write_status(self, bmc: Obj, observed: Observed) -> Result:
         meta = bmc["metadata"]
@@ -415,5 +629,7 @@ class Reconciler:
             if cond["type"] == "Ready" and cond["reason"] not in IN_PROGRESS:
                 ok = cond["status"] == "True"
                 self.recorder.event(bmc, "Normal" if ok else "Warning", cond["reason"], cond["message"])
+            elif cond["type"] == AGENT_UP_TO_DATE and cond["reason"] == "RolloutHalted":
+                self.recorder.event(bmc, "Warning", "RolloutHalted", cond["message"])
         return Result()
 

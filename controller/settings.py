@@ -26,6 +26,8 @@ class Settings:
     workers: int = 8
     resync_seconds: float = 300.0
     certificate_duration: float = 365 * 86400.0  # the generated serving certificates' life, in seconds
+    rollout_batch: str = "10%"  # agents updated at once after the canary: a count, or a percentage of the fleet
+    rollout_timeout: int = 600  # seconds an updated agent has to become ready (progressDeadlineSeconds)
     field_manager: str = FIELD_MANAGER
     metrics_address: str = "127.0.0.1:8080"
     leader_elect: bool = True
@@ -62,6 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=env("KUBEVBMC_CERTIFICATE_DURATION", "365d"), metavar="DURATION",
                         help="life of the generated Redfish certificates, renewed at 2/3 of it: seconds, or with "
                              "s, m, h or d (default %(default)s; from 30s to 1825d)")
+    parser.add_argument("--rollout-batch", type=batch, default=env("KUBEVBMC_ROLLOUT_BATCH", "10%"),
+                        metavar="N|P%",
+                        help="when the agent template changes (a new --agent-image, agent flags), one agent is "
+                             "updated first, then this many at a time (a count, or a percentage of all agents), "
+                             "each batch once every updated agent is ready (default %(default)s)")
+    parser.add_argument("--rollout-timeout", type=rollout_timeout, default=env("KUBEVBMC_ROLLOUT_TIMEOUT", "10m"),
+                        metavar="DURATION",
+                        help="an updated agent not ready within this long halts the rollout (the agent "
+                             "Deployments' progressDeadlineSeconds): seconds, or with s, m or h (default "
+                             "%(default)s; from 5s to 24h)")
     parser.add_argument("--metrics-address", default=env("KUBEVBMC_METRICS_ADDRESS", "127.0.0.1:8080"),
                         metavar="HOST:PORT", help="/metrics, /healthz and /readyz (port 0: a free one)")
     parser.add_argument("--leader-elect", default=env("KUBEVBMC_LEADER_ELECT", "true"),
@@ -99,12 +111,35 @@ def duration(text: str) -> float:
     return seconds
 
 
+BATCH = re.compile(r"([1-9][0-9]*)(%?)")
+
+
+def batch(text: str) -> str:
+    """A rollout batch: a count of agents (`5`) or a percentage of the fleet (`10%`, at most 100%)."""
+    found = BATCH.fullmatch(text.strip())
+    if not found or (found.group(2) and int(found.group(1)) > 100):
+        raise argparse.ArgumentTypeError(f"not a batch size (a count such as 5, or a percentage such as 10%): {text!r}")
+    return found.group(0)
+
+
+def rollout_timeout(text: str) -> int:
+    """Whole seconds from `10m`, `90s` or `90`, from 5 seconds to a day."""
+    found = DURATION.fullmatch(text.strip())
+    if not found or found.group(2) == "d":
+        raise argparse.ArgumentTypeError(f"not a duration (a number with s, m or h): {text!r}")
+    seconds = int(float(found.group(1)) * _UNIT[found.group(2)])
+    if not 5 <= seconds <= 86400:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: from 5s to 24h")
+    return seconds
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(agent_image=args.agent_image, agent_image_pull_policy=args.agent_image_pull_policy,
                     agent_image_pull_secrets=args.agent_image_pull_secrets,
                     agent_log_level=args.agent_log_level,
                     default_service_type=args.default_service_type, namespace=args.namespace,
                     workers=max(1, args.workers), resync_seconds=args.resync,
-                    certificate_duration=args.certificate_duration, metrics_address=args.metrics_address,
+                    certificate_duration=args.certificate_duration, rollout_batch=args.rollout_batch,
+                    rollout_timeout=args.rollout_timeout, metrics_address=args.metrics_address,
                     leader_elect=args.leader_elect == "true", lease_name=args.lease_name,
                     lease_namespace=args.lease_namespace)

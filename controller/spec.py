@@ -57,6 +57,9 @@ class ServiceOptions(_Model):
 class BMCSpec(_Model):
     virtual_machine_ref: NameRef = Field(alias="virtualMachineRef")
     auth_secret_ref: NameRef | None = Field(default=None, alias="authSecretRef")
+    # The shared agent serving this BMC (unset: a dedicated one). The CRD's pattern; repeated for other sources.
+    agent_pool: str | None = Field(default=None, alias="agentPool", pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$",
+                                   max_length=40)
     ipmi: Ipmi = Field(default_factory=Ipmi)
     redfish: Redfish = Field(default_factory=Redfish)
     service: ServiceOptions = Field(default_factory=ServiceOptions)

@@ -7,11 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from . import rollout
+from .desired import MAX_POOL_MEMBERS, pool_name
 from .spec import BMCSpec
 
 Obj = dict[str, Any]
 READY, VM_AVAILABLE, SECRET_AVAILABLE, AGENT_READY = "Ready", "VirtualMachineAvailable", "SecretAvailable", "AgentReady"
-CONDITION_ORDER = (READY, VM_AVAILABLE, SECRET_AVAILABLE, AGENT_READY)
+AGENT_UP_TO_DATE = "AgentUpToDate"
+CONDITION_ORDER = (READY, VM_AVAILABLE, SECRET_AVAILABLE, AGENT_READY, AGENT_UP_TO_DATE)
 OWNED_KEYS = ("observedGeneration", "clusterIP", "endpoints", "conditions", "redfish")  # bootOverride: the agent's
 
 
@@ -37,6 +40,9 @@ class Observed:
     blocked_by: str = ""  # a child of that name exists and is controlled by someone else
     rejected: str = ""  # the API server refused a child: which, and the API's reason and message
     certificate: Obj | None = None  # the served certificate's expiry (certificates.certificate_status)
+    pool: str = ""  # spec.agentPool: the pool's agent serves this BMC
+    pool_full: bool = False  # the pool has no free place for it
+    up_to_date: tuple[bool, str, str] | None = None  # AgentUpToDate (controller/rollout.py), with an agent
 
 
 # Reasons for Ready=False while the agent rolls out normally (no Event: not a problem).
@@ -51,6 +57,11 @@ def agent_readiness(deployment: Obj | None) -> tuple[bool, str, str]:
     generation = int(meta.get("generation") or 0)
     if int(status.get("observedGeneration") or 0) < generation:
         return False, "AgentProgressing", "the agent Deployment's new generation is not observed yet"
+    failed = rollout.failed(deployment)
+    if failed and not rollout.ready(deployment):
+        deadline = (deployment.get("spec") or {}).get("progressDeadlineSeconds")
+        return False, "ProgressDeadlineExceeded", (f"the agent did not become ready within {deadline}s "
+                                                   f"({failed}): see its pod's events")
     desired = int((deployment.get("spec") or {}).get("replicas", 1))
     updated, ready = int(status.get("updatedReplicas") or 0), int(status.get("readyReplicas") or 0)
     replicas = int(status.get("replicas") or 0)
@@ -78,6 +89,9 @@ def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]
         return [ready, vm_cond, secret_cond, agent]
     if observed.rejected:
         agent = Condition(AGENT_READY, False, "ChildRejected", observed.rejected)
+    elif observed.pool_full:
+        agent = Condition(AGENT_READY, False, "PoolFull", f"agent pool {observed.pool} serves at most "
+                          f"{MAX_POOL_MEMBERS} BMCs: this one waits for a free place")
     elif observed.blocked_by:
         agent = Condition(AGENT_READY, False, "ChildConflict", observed.blocked_by)
     elif not observed.vm_found or problem:
@@ -85,7 +99,10 @@ def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]
                           "Secret are available")
     else:
         agent = Condition(AGENT_READY, *agent_readiness(observed.deployment))
-    if observed.rejected:
+        if observed.pool:
+            agent = Condition(AGENT_READY, agent.status, agent.reason,
+                              f"agent pool {observed.pool} ({pool_name(observed.pool)}): {agent.message}")
+    if observed.rejected or observed.pool_full:
         ready = Condition(READY, False, agent.reason, agent.message)
     elif not observed.vm_found:
         ready = Condition(READY, False, vm_cond.reason, vm_cond.message)
@@ -98,7 +115,9 @@ def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]
     else:
         ready = Condition(READY, True, "Ready", "the BMC answers on " + observed.cluster_ip
                           + (f" and {observed.external}" if observed.external else ""))
-    return [ready, vm_cond, secret_cond, agent]
+    if observed.up_to_date is None or observed.deployment is None:
+        return [ready, vm_cond, secret_cond, agent]
+    return [ready, vm_cond, secret_cond, agent, Condition(AGENT_UP_TO_DATE, *observed.up_to_date)]
 
 
 def load_balancer_address(service: Obj | None) -> str:

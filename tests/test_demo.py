@@ -120,3 +120,46 @@ def test_ctrl_c_during_start_up_stops_everything_without_claiming_a_time_out(tmp
     assert not set(agent_processes()) - before, "the demo left agent processes behind"
     controller = subprocess.run(["pgrep", "-f", f"vbmc controller --kubeconfig {workdir}"], capture_output=True)
     assert controller.returncode == 1, "the demo left its controller behind"
+
+
+def test_demo_with_a_pool_serves_every_bmc_from_one_agent(tmp_path: Path) -> None:
+    before = set(agent_processes())
+    log = tmp_path / "demo.out"
+    with open(log, "w") as out:
+        demo = subprocess.Popen([sys.executable, "-m", "vbmc", "demo", "--vms", "4", "--pool", "lab", "--workdir",
+                                 str(tmp_path / "w"), *address_ranges()], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            wait_for(lambda: "\nready" in "\n" + log.read_text() or demo.poll() is not None, timeout=90,
+                     interval=0.2, what="the demo to print ready")
+            text = log.read_text()
+            assert demo.poll() is None, text
+            bmc_lines = [line for line in text.splitlines() if line.startswith("bmc ")]
+            assert len(bmc_lines) == 4, text
+            assert "every BMC above is served by one agent: Deployment default/lab-virtbmc-pool" in text
+            assert len(set(agent_processes()) - before) == 1, "one agent process for the pool"
+            # Each BMC answers at its own address (the printed command names the first; the others by its form).
+            status = next(line.strip() for line in text.splitlines() if line.strip().endswith("power status"))
+            first = re.search(r"ipmi=(\S+):623", bmc_lines[0])
+            assert first, bmc_lines[0]
+            for line in bmc_lines:
+                address = re.search(r"ipmi=(\S+):623", line)
+                assert address, line
+                command = shlex.split(status.replace(first[1], address[1]))
+                result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+                assert "Chassis Power is off" in result.stdout, (line, result.stderr)
+        finally:
+            demo.send_signal(signal.SIGINT)
+            code = demo.wait(timeout=30)
+    assert code == 0, log.read_text()
+    deadline = time.monotonic() + 10
+    while set(agent_processes()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(agent_processes()) - before, "the demo left agent processes behind"
+
+
+def test_demo_refuses_a_pool_name_the_crd_would_refuse(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "vbmc", "demo", "--pool", "Lab_1", "--workdir",
+                             str(tmp_path / "w")], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 2 and "not a pool name" in result.stderr, result
+    assert not (tmp_path / "w").exists(), "nothing was started"

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from controller import cli as controller_cli
-from controller import desired, status
+from controller import desired, rollout, status
 from controller.reconciler import Reconciler
 from controller.spec import BMCSpec
 from kubesim import cel
@@ -268,6 +268,20 @@ def observed_worlds() -> Iterator[status.Observed]:
             ("", "the API server refused Service vm-virtbmc: 422 Invalid: ..."), ("", "10.0.0.1"), deployments):
         yield status.Observed(vm_found=vm, credentials_problem=cred, tls_problem=tls_problem, conflict_with=conflict,
                               blocked_by=blocked, rejected=rejected, cluster_ip=ip, deployment=dep)
+    # Pools and the fleet's rollout (controller/rollout.py): an agent past its progress deadline, a pool without a
+    # free place, and each AgentUpToDate state of a BMC with an agent.
+    failed = deployment(2, 2, 1, 0, 1)
+    failed["status"]["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                                       "message": 'ReplicaSet "vm-virtbmc-1" has timed out progressing.'}]
+    plan = rollout.Plan(target="abc", image="kubevbmc:v2", total=3, outdated=(("ns", "a"), ("ns", "b")),
+                        allowed=frozenset({("ns", "a")}))
+    halted = rollout.Plan(target="abc", image="kubevbmc:v2", total=3, outdated=(("ns", "a"),),
+                          allowed=frozenset(), halted_by=("ns", "c"), halted_why="timed out")
+    states = [plan.state(("ns", "a")), plan.state(("ns", "b")), halted.state(("ns", "a"))]
+    for pool, dep, up in itertools.product(("", "lab"), (failed, deployments[-1]), states):
+        yield status.Observed(vm_found=True, credentials_problem=None, cluster_ip="10.0.0.1", deployment=dep,
+                              pool=pool, up_to_date=up)
+    yield status.Observed(vm_found=True, credentials_problem=None, pool="lab", pool_full=True)
 
 
 def test_the_documented_conditions_and_status_of_each_reason_are_what_the_controller_produces() -> None:

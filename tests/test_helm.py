@@ -164,7 +164,7 @@ def documented_leaves(text: str) -> Iterator[tuple[tuple[str, ...], bool]]:
             yield tuple(k for _, k in stack), lines[i - 1].strip().startswith("#")
 
 
-ENUM_ALTERNATIVES = {"IfNotPresent": "Always", "ClusterIP": "NodePort", "info": "debug", "text": "json"}
+ENUM_ALTERNATIVES = {"IfNotPresent": "Always", "ClusterIP": "NodePort", "info": "debug", "text": "json", "10%": "25%"}
 
 
 def another(value: Any) -> Any:
@@ -233,6 +233,7 @@ def test_default_values_render_a_locked_down_controller_with_its_rbac(chart: hel
     assert settings.agent_image_pull_secrets == ()
     assert settings.default_service_type == "ClusterIP"
     assert settings.agent_log_level == "info"
+    assert (settings.rollout_batch, settings.rollout_timeout) == ("10%", 600)
     assert settings.namespace == ""  # every namespace
     assert settings.leader_elect and settings.lease_name == "kubevbmc"
     assert settings.metrics_address == "$(POD_IP):8080"
@@ -309,12 +310,19 @@ def test_the_cluster_role_holds_exactly_what_the_controller_and_its_agents_need(
                                             ("", "events"): {"create", "patch"}}
     for kind in CHILD_KINDS.values():
         own[(kind.group, kind.plural)] = {"list", "watch", "create", "patch"}
-    own[("apps", "deployments")].add("delete")
-    # What it grants each agent, so the RBAC escalation check lets it create that Role (held, not `escalate`).
+    # Deleted: agent Deployments; a dedicated agent's ServiceAccount, Role and RoleBinding when its BMC joins a pool;
+    # a pool's ServiceAccount, Role, RoleBinding and Secret when its last member leaves.
+    for plural in ("deployments", "serviceaccounts", "roles", "rolebindings", "secrets"):
+        next(v for (group, resource), v in own.items() if resource == plural).add("delete")
+    # What it grants each agent, so the RBAC escalation check lets it create that Role (held, not `escalate`):
+    # a dedicated agent's Role, and a pool's (the union of its members', and its own Secret).
     bmc = {"metadata": {"name": "b", "namespace": "ns", "uid": "u"}, "spec": {
         "virtualMachineRef": {"name": "vm"},
         "redfish": {"virtualMedia": {"tls": {"caBundleConfigMapRef": {"name": "image-ca"}}}}}}
     agents = rules_by_resource(desired.desired_role(bmc, "vm", ["cdrom"])["rules"])
+    pool = rules_by_resource(desired.desired_pool_role("ns", "lab", [bmc], [(bmc, "vm", ["cdrom"])])["rules"])
+    for key, verbs in pool.items():
+        agents.setdefault(key, set()).update(verbs)
     needed = {key: own.get(key, set()) | agents.get(key, set()) for key in own.keys() | agents.keys()}
 
     rules = one(render(chart), "ClusterRole")["rules"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,9 @@ IMAGE = "kubevbmc:dev"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vms", type=int, default=3, help="how many sample VMs (default %(default)s)")
+    parser.add_argument("--pool", default="", metavar="NAME", type=_pool_name,
+                        help="serve every BMC from one pooled agent of this name (spec.agentPool) instead of an agent "
+                             "per VM")
     parser.add_argument("--namespace", default="default")
     parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="kubesim's API address")
     parser.add_argument("--workdir", default="", help="where the kubeconfig and logs go (default: a temp dir)")
@@ -33,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pod-cidr", default="127.1.0.0/16")
     parser.add_argument("--service-cidr", default="127.2.0.0/16", help="where the BMCs' addresses come from")
     parser.add_argument("--load-balancer-cidr", default="127.3.0.0/16")
+
+
+def _pool_name(text: str) -> str:
+    """spec.agentPool's schema: a DNS label of at most 40 characters."""
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", text) or len(text) > 40:
+        raise argparse.ArgumentTypeError(f"not a pool name (lowercase letters, digits and '-', at most 40): {text!r}")
+    return text
 
 
 def _vm(name: str) -> dict[str, Any]:
@@ -55,9 +66,10 @@ def _secret(name: str) -> dict[str, Any]:
             "stringData": {"username": USERNAME, "password": PASSWORD}}
 
 
-def _bmc(name: str) -> dict[str, Any]:
+def _bmc(name: str, pool: str = "") -> dict[str, Any]:
     return {"apiVersion": "bmc.kubevirt.io/v1beta1", "kind": "VirtualMachineBMC", "metadata": {"name": name},
-            "spec": {"virtualMachineRef": {"name": name}, "authSecretRef": {"name": f"{name}-bmc-auth"}}}
+            "spec": {"virtualMachineRef": {"name": name}, "authSecretRef": {"name": f"{name}-bmc-auth"},
+                     **({"agentPool": pool} if pool else {})}}
 
 
 def _ready(bmc: dict[str, Any]) -> bool:
@@ -123,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
             _check(stop)
             api.request("POST", f"/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachines", _vm(name))
             api.request("POST", f"/api/v1/namespaces/{ns}/secrets", _secret(name))
-            api.request("POST", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{ns}/virtualmachinebmcs", _bmc(name))
+            api.request("POST", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{ns}/virtualmachinebmcs",
+                        _bmc(name, args.pool))
         path = f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{ns}/virtualmachinebmcs"
 
         def all_ready() -> list[dict[str, Any]] | None:
@@ -137,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
                   f"redfish={endpoints.get('redfish')} username={USERNAME} password={PASSWORD}")
         first = (bmcs[0].get("status") or {}).get("endpoints") or {}
         host = str(first.get("ipmi", "")).rsplit(":", 1)[0]
+        if args.pool:
+            print(f"every BMC above is served by one agent: Deployment {ns}/{args.pool}-virtbmc-pool")
         print()
         print(f"kubeconfig: {cluster.kubeconfig}")
         print(f"logs: agents in {Path(sim_args.log_dir)}/ (one file per pod), controller in "
