@@ -1,4 +1,4 @@
-"""`kubevbmc agent`: one process serving IPMI and Redfish for one VM.
+"""`kubevbmc agent`: one process serving IPMI and Redfish for one VM (with --pool, for many: vbmc/pool.py).
 
 One process holds everything: the Machine (and its watch on the VM), the Redfish app with its server
 (vbmc/redfish/server.py: an asyncio front that answers the health probes itself and hands whole requests to a
@@ -87,6 +87,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # (measured with bench/agent.py: 8 threads give p99 20 ms, 2 give 13 ms, at 8 keep-alive connections).
     # Connections take no thread: stalled and idle clients wait on the server's event loop.
     parser.add_argument("--threads", type=int, default=2, help="Redfish worker threads (default %(default)s)")
+    pool = parser.add_argument_group("pooled agent (one process for many VirtualMachineBMCs, vbmc/pool.py)")
+    pool.add_argument("--pool", default=env("VBMC_POOL", ""), metavar="NAME",
+                      help="serve the members of this pool instead of one VM (--vm, VBMC_USERNAME and "
+                           "--ipmi-address are then not used)")
+    pool.add_argument("--pool-secret", default=env("VBMC_POOL_SECRET", ""), metavar="NAME",
+                      help="the Secret (in --namespace) whose pool.json lists the members; watched")
+    pool.add_argument("--pool-file", default=env("VBMC_POOL_FILE", ""), metavar="PATH",
+                      help="a pool.json file instead of the Secret, read about once a second (tests, benchmarks)")
+    pool.add_argument("--address", default=env("VBMC_ADDRESS", "0.0.0.0"), metavar="HOST",
+                      help="the address members' ports are bound on (the pod IP; default %(default)s)")
     parser.add_argument("--log-level", default=env("VBMC_LOG_LEVEL", "info"))
     parser.add_argument("--log-format", default=env("VBMC_LOG_FORMAT", "text"), choices=("text", "json"),
                         help="text lines, or json: one object per line, audit fields as keys (default %(default)s)")
@@ -300,6 +310,10 @@ def configure_logging(level: str, log_format: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, getattr(args, "log_format", "text"))
+    if getattr(args, "pool", ""):
+        from . import pool
+
+        return pool.run(args)
     try:
         config = config_from(args)
     except ValueError as exc:

@@ -53,7 +53,10 @@ OPENING_TIMEOUT = 3.0
 MAX_OPENING_PER_SOURCE = 4  # half-open sessions one source address may hold; its oldest makes room for its newest
 IDLE_TIMEOUT = 60.0  # session inactivity timeout (section 6.12.15 suggests 60 s)
 WRITE_DEADLINE = 0.8  # a slower backend write is answered 0xC0 (node busy) before ipmitool gives up a try (1 s)
-POLL_INTERVAL = 0.2  # how often the receive loop looks at stop()
+POLL_INTERVAL = 0.2  # the longest stop() waits for the serving thread (it wakes it through its wake socket)
+# The longest the serving thread sleeps with nothing due: a packet, stop() and work posted wake it at once, and with
+# sessions open it wakes for the next sweep. An idle BMC costs no wake-ups (a pooled agent has a hundred).
+IDLE_WAIT = 5.0
 # How long after an accepted power-up command the chassis reads "on" while the VM still reads off (KubeVirt has not
 # yet turned the start request into a VMI): the power button was pressed, the chassis has power.
 POWER_UP_GRACE = 10.0
@@ -82,8 +85,8 @@ class IpmiServer:
     """An IPMI BMC for one Machine, with one user (administrator privilege), on one UDP address.
 
     Usage: `server = IpmiServer(machine, "admin", "password", address=("0.0.0.0", 10623))`; `server.start()` binds
-    and serves in a daemon thread (port 0 picks a free port, see `address`); `server.stop()` returns within
-    POLL_INTERVAL, or WRITE_DEADLINE if a backend write is in flight. Also a context manager.
+    and serves in a daemon thread (port 0 picks a free port, see `address`); `server.stop()` returns at once, or
+    within WRITE_DEADLINE if a backend write is in flight. Also a context manager.
     """
 
     def __init__(self, machine: Machine, username: str, password: str,
@@ -252,11 +255,14 @@ class IpmiServer:
                  extra={"protocol": "ipmi", "vm": self._vm})
 
     def stop(self) -> None:
-        """Stop serving; returns within POLL_INTERVAL plus the command being answered (at most WRITE_DEADLINE)."""
+        """Stop serving; returns once the command being answered is (at most WRITE_DEADLINE)."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
         self._stopping.set()
+        if self._wake is not None:
+            with contextlib.suppress(OSError):  # full: the thread is awake anyway
+                self._wake[1].send(b"\0")
         thread.join(timeout=POLL_INTERVAL + WRITE_DEADLINE)
         if self._writer is not None:
             self._writer.shutdown(wait=False, cancel_futures=True)
@@ -286,10 +292,13 @@ class IpmiServer:
         assert self._socket is not None and self._wake is not None
         sock, wake = self._socket, self._wake[0]
         while not self._stopping.is_set():
-            timeout = POLL_INTERVAL
+            now = time.monotonic()
+            timeout = IDLE_WAIT
+            if self._sessions:  # half-open and idle sessions expire at the sweeps
+                timeout = min(timeout, max(0.0, self._next_sweep - now))
             due = self._sol.link.due if self._sol is not None else None
             if due is not None:
-                timeout = min(timeout, max(0.0, due - time.monotonic()))
+                timeout = min(timeout, max(0.0, due - now))
             try:
                 readable, _, _ = select.select((sock, wake), (), (), timeout)
             except (OSError, ValueError):

@@ -490,6 +490,98 @@ def listen(hc: Any, connections: int) -> Any:
     return Sockets([capped(s) for s in sockets.secure_sockets], [capped(s) for s in sockets.insecure_sockets], [])
 
 
+def bind_listener(host: str, port: int, slots: _Slots, backlog: int = 1024) -> socket.socket:
+    """One listening TCP socket on (host, port) as listen() makes them (TCP_NODELAY, SO_REUSEADDR, capped by
+    `slots`), for the pool agent's listeners. Raises OSError (port in use, address not local)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.setblocking(False)
+        listener = _CappedListener(sock.family, sock.type, sock.proto, fileno=sock.detach())
+    except BaseException:
+        sock.close()
+        raise
+    listener.slots = slots
+    listener.set_inheritable(False)
+    listener.listen(backlog)
+    return listener
+
+
+def connection_slots(cap: int) -> _Slots:
+    """A cap on open connections, for bind_listener (listeners given the same one share it)."""
+    return _Slots(cap)
+
+
+class Listeners:
+    """Listening sockets served on the running event loop by hypercorn's connection handling, as serve() serves
+    them (the same config: deadlines, limits, HTTP/1.1 only), each plain or with its own TLS context, for one
+    front. Unlike serve(), several can share one event loop, and close() ends their connections too (the pool
+    agent restarts one member's listeners while the others serve on)."""
+
+    def __init__(self, front: RedfishFront, hc: Any, sockets: list[tuple[socket.socket, ssl.SSLContext | None]],
+                 context: Any, state: dict[str, Any]) -> None:
+        from hypercorn.utils import wrap_app
+
+        self.front = front
+        self._hc = hc
+        self._sockets = sockets
+        self._context = context  # hypercorn's WorkerContext: shared by every Listeners of a loop
+        self._state = state
+        self._app = wrap_app(front, hc.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+        self._servers: list[asyncio.AbstractServer] = []
+        self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+
+    async def start(self) -> None:
+        _http1_with_redfish_errors()
+        _small_tls_buffers()
+        try:
+            for sock, tls in self._sockets:
+                self._servers.append(await asyncio.start_server(
+                    self._connection, sock=sock, backlog=self._hc.backlog, ssl=tls,
+                    ssl_handshake_timeout=self._hc.ssl_handshake_timeout if tls is not None else None))
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        from hypercorn.asyncio.tcp_server import TCPServer
+
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
+        try:
+            await TCPServer(self._app, asyncio.get_running_loop(), self._hc, self._context, self._state, reader,
+                            writer)
+        finally:
+            self._connections.pop(task, None)
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    async def close(self, grace: float = 0.5) -> None:
+        """Stop listening and end every connection at once (in-flight requests included: the caller is
+        replacing or removing what they talk to). The front is its owner's to close (it may serve other
+        listeners)."""
+        for server in self._servers:
+            server.close()
+        for sock, _ in self._sockets:
+            sock.close()
+        for writer in list(self._connections.values()):
+            transport = writer.transport
+            with contextlib.suppress(Exception):
+                transport.abort()
+        tasks = list(self._connections)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=grace)
+            for task in pending:
+                task.cancel()
+        self._servers.clear()
+
+
 def close_sockets(sockets: Any) -> None:
     for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
         sock.close()
