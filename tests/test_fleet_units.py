@@ -161,3 +161,81 @@ def test_the_pool_deployment_names_no_member() -> None:
     assert one["spec"]["template"] == two["spec"]["template"]  # a new member restarts nothing
     assert one["metadata"]["name"] == "lab-virtbmc-pool"
     assert "--pool-secret" in one["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+# ---- a pool's slots and members, as the reconciler plans them from its caches
+
+
+class _Informer:
+    def __init__(self, objs: list[Any] | None = None) -> None:
+        self.items = {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in objs or []}
+        self.handlers: list[Any] = []
+
+    def get(self, namespace: str, name: str) -> Any:
+        return self.items.get((namespace, name))
+
+    def list(self) -> list[Any]:
+        return list(self.items.values())
+
+    def seen_through(self, _rv: int) -> bool:
+        return True
+
+
+def planner(members: list[Any], services: tuple[Any, ...] = (), vms: tuple[str, ...] | None = None) -> Any:
+    from types import SimpleNamespace
+
+    from controller.reconciler import Reconciler
+
+    names = vms if vms is not None else tuple(m["spec"]["virtualMachineRef"]["name"] for m in members)
+    secrets = _Informer([{"metadata": {"namespace": "ns", "name": f"{m['metadata']['name']}-auth"},
+                          "data": {"username": "dQ==", "password": "cA=="}} for m in members])
+    children = {kind: _Informer() for kind in ("ServiceAccount", "Role", "RoleBinding", "Deployment")}
+    children["Service"] = _Informer(list(services))
+    children["Secret"] = secrets
+    by_vm: dict[str, list[Any]] = {}
+    for m in members:
+        by_vm.setdefault(m["spec"]["virtualMachineRef"]["name"], []).append(m)
+    caches = SimpleNamespace(
+        bmcs=_Informer(members), children=children, secrets=secrets,
+        vms=_Informer([{"metadata": {"namespace": "ns", "name": n}} for n in names]),
+        bmcs_in_pool=lambda ns, pool: [m for m in members if m["spec"].get("agentPool") == pool],
+        bmcs_for_vm=lambda ns, vm: by_vm.get(vm, []))
+    return Reconciler(None, caches, Settings(), None)  # type: ignore[arg-type]
+
+
+def pooled(name: str, created: str, vm: str | None = None) -> Any:
+    b = member(name)
+    b["metadata"]["creationTimestamp"] = created
+    b["spec"]["virtualMachineRef"]["name"] = vm or name
+    return b
+
+
+def test_a_member_keeps_its_slot_and_newcomers_take_the_lowest_free_one_oldest_first() -> None:
+    old = pooled("old", "2026-01-01T00:00:00Z")
+    newer, newest = pooled("newer", "2026-01-02T00:00:00Z"), pooled("newest", "2026-01-03T00:00:00Z")
+    kept = desired.desired_member_service(old, "old", "lab", 1)
+    kept["metadata"]["namespace"] = "ns"
+    plan = planner([newest, old, newer], (kept,))._pool_plan("ns", "lab")
+    assert plan.slots == {"old": 1, "newer": 0, "newest": 2}
+    assert [m["metadata"]["name"] for m in plan.owners] == ["newer", "newest", "old"]
+    assert [(m["metadata"]["name"], slot) for m, _, _, slot in plan.served] == [("old", 1), ("newer", 0),
+                                                                                 ("newest", 2)]
+
+
+def test_a_full_pool_leaves_the_newest_without_a_place_until_one_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(desired, "MAX_POOL_MEMBERS", 2)
+    a, b, c = (pooled(n, f"2026-01-0{i}T00:00:00Z") for i, n in enumerate("abc", 1))
+    plan = planner([a, b, c])._pool_plan("ns", "lab")
+    assert plan.slots == {"a": 0, "b": 1} and "c" not in plan.slots
+    assert [m["metadata"]["name"] for m, *_ in plan.served] == ["a", "b"]
+    plan = planner([a, c])._pool_plan("ns", "lab")
+    assert plan.slots == {"a": 0, "c": 1}
+
+
+def test_the_pool_serves_only_members_whose_vm_exists_and_that_do_not_conflict() -> None:
+    first = pooled("first", "2026-01-01T00:00:00Z", "shared")
+    second = pooled("second", "2026-01-02T00:00:00Z", "shared")
+    lonely = pooled("lonely", "2026-01-03T00:00:00Z")
+    plan = planner([first, second, lonely], vms=("shared",))._pool_plan("ns", "lab")
+    assert [m["metadata"]["name"] for m, *_ in plan.served] == ["first"]  # second: Conflict; lonely: no VM
+    assert set(plan.slots) == {"first", "second", "lonely"}  # each keeps a place for when it can be served

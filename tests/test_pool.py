@@ -215,3 +215,38 @@ def test_the_pool_goes_with_its_last_member(pool: Any) -> None:
     wait_for(lambda: not any(d["metadata"]["name"] == f"{other}-virtbmc-pool" for d in deployments(api))
              and call(api, "GET", f"/api/v1/namespaces/{NS}/secrets/{other}-virtbmc-pool").status == 404,
              timeout=30, what="the emptied pool deleted")
+
+
+def test_a_pool_name_the_schema_refuses_is_refused_by_the_api_server(pool: Any) -> None:
+    api, _ = pool
+    for bad in ("Lab", "lab_1", "-lab", "x" * 41):
+        body = {"apiVersion": "bmc.kubevirt.io/v1beta1", "kind": "VirtualMachineBMC", "metadata": {"name": "bad"},
+                "spec": {"virtualMachineRef": {"name": "vm00"}, "authSecretRef": {"name": "vm00-auth"},
+                         "agentPool": bad}}
+        reply = call(api, "POST", BMCS, body)
+        assert reply.status == 422 and "agentPool" in json.dumps(reply.body), (bad, reply.body)
+
+
+def test_a_new_agent_image_rolls_the_pool_as_one_agent(pool: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    api, controller = pool
+    (before,) = [p for p in pods(api) if p["metadata"].get("labels", {}).get("bmc.kubevirt.io/pool") == POOL]
+    assert controller.stop() == 0
+    upgraded = ControllerProcess(controller.kubeconfig, tmp_path_factory.mktemp("v2") / "controller.log",
+                                 "--agent-image", "kubevbmc:v2")
+    try:
+        def rolled() -> bool:
+            (deployment,) = [d for d in deployments(api) if d["metadata"]["name"] == f"{POOL}-virtbmc-pool"]
+            members = [b for b in bmcs(api).values() if b["spec"].get("agentPool") == POOL]
+            return (deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "kubevbmc:v2"
+                    and all(condition(b, "Ready").get("status") == "True"
+                            and condition(b, "AgentUpToDate").get("status") == "True"
+                            and "kubevbmc:v2" in condition(b, "AgentUpToDate").get("message", "") for b in members))
+
+        wait_for(rolled, timeout=90, interval=0.5, what="the pool on kubevbmc:v2, every member Ready")
+        pool_pods = [p for p in pods(api) if p["metadata"].get("labels", {}).get("bmc.kubevirt.io/pool") == POOL]
+        assert len(pool_pods) == 1 and pool_pods[0]["metadata"]["uid"] != before["metadata"]["uid"]
+        host = bmcs(api)["vm07"]["status"]["clusterIP"]
+        wait_for(lambda: "Chassis Power is" in ipmitool(host, password(7), "power", "status").stdout, timeout=20,
+                 what="a member answering from the upgraded pool")
+    finally:
+        assert upgraded.stop() == 0
