@@ -23,7 +23,8 @@ from .vms import make_vm
 FLEET = 20
 BATCH = 5  # --rollout-batch 25% of 20
 BAD_IMAGE = "registry.invalid/kubevbmc-agent:broken"
-FLAGS = ("--rollout-batch", "25%", "--rollout-timeout", "8s", "--resync", "300")
+# The timeout leaves room for five agents starting at once on a busy two-core machine.
+FLAGS = ("--rollout-batch", "25%", "--rollout-timeout", "15s", "--resync", "300")
 
 
 @pytest.fixture(scope="module")
