@@ -437,7 +437,7 @@ class Reconciler:
         have = self._cached("Deployment", namespace, name)
         settings: Settings | None = self.settings
         target = rollout.revision(self.settings)
-        state = (True, "UpToDate", f"the agent runs revision {target} ({self.settings.agent_image})")
+        state = rollout.up_to_date(target, self.settings.agent_image)
         if have is not None and rollout.revision_of(have) != target:
             state = self._plan().state((namespace, name))
             if not state[0]:

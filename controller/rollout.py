@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from . import status  # (a module: status and desired import each other's names through this one)
 from .settings import Settings
 
 Obj = dict[str, Any]
@@ -68,30 +69,13 @@ def batch_size(batch: str, total: int) -> int:
     return max(1, int(batch))
 
 
-def failed(deployment: Obj) -> str:
-    """The deployment controller's verdict that the current template did not become ready in time (its
-    message), or ""."""
-    meta, status = deployment.get("metadata") or {}, deployment.get("status") or {}
-    if int(status.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
-        return ""
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == "Progressing" and cond.get("status") == "False" \
-                and cond.get("reason") == "ProgressDeadlineExceeded":
-            return str(cond.get("message") or "ProgressDeadlineExceeded")
-    return ""
-
-
-def ready(deployment: Obj) -> bool:
-    meta, status = deployment.get("metadata") or {}, deployment.get("status") or {}
-    want = int((deployment.get("spec") or {}).get("replicas", 1))
-    return (int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 0)
-            and int(status.get("updatedReplicas") or 0) >= want and int(status.get("readyReplicas") or 0) >= want
-            and int(status.get("replicas") or 0) <= int(status.get("updatedReplicas") or 0))
-
-
 def key_of(obj: Obj) -> Key:
     meta = obj.get("metadata") or {}
     return str(meta.get("namespace") or ""), str(meta.get("name") or "")
+
+
+def up_to_date(target: str, image: str) -> tuple[bool, str, str]:
+    return True, "UpToDate", f"the agent runs revision {target} ({image})"
 
 
 @dataclass(frozen=True)
@@ -107,7 +91,7 @@ class Plan:
     def state(self, key: Key) -> tuple[bool, str, str]:
         """(up to date, reason, message) of the AgentUpToDate condition for the agent Deployment `key`."""
         if key not in self.outdated or key in self.allowed:
-            return True, "UpToDate", f"the agent runs revision {self.target} ({self.image})"
+            return up_to_date(self.target, self.image)
         if self.halted_by is not None:
             return False, "RolloutHalted", (
                 f"the rollout of agent revision {self.target} ({self.image}) is halted: agent Deployment "
@@ -127,12 +111,13 @@ def plan(deployments: Iterable[Obj], settings: Settings) -> Plan:
     halted: list[tuple[Key, str]] = []
     for d in agents:
         key = key_of(d)
+        ready = status.agent_readiness(d)[0]
         if revision_of(d) != target:
-            outdated.append((0 if not ready(d) else 1, key))  # a broken agent cannot get worse: first
-        elif (why := failed(d)) and not ready(d):
-            halted.append((key, why))
-        elif ready(d):
+            outdated.append((1 if ready else 0, key))  # a broken agent cannot get worse: first
+        elif ready:
             updated_ready += 1
+        elif why := status.progress_deadline_exceeded(d):
+            halted.append((key, why))
         else:
             in_flight += 1
     order = tuple(key for _, key in sorted(outdated))

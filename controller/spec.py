@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 GROUP, VERSION, KIND = "bmc.kubevirt.io", "v1beta1", "VirtualMachineBMC"
 API_VERSION = f"{GROUP}/{VERSION}"
+POOL_PATTERN, POOL_MAX_LENGTH = r"^[a-z]([-a-z0-9]*[a-z0-9])?$", 40  # spec.agentPool, as the CRD's schema says
 
 
 class _Model(BaseModel):
@@ -58,8 +59,7 @@ class BMCSpec(_Model):
     virtual_machine_ref: NameRef = Field(alias="virtualMachineRef")
     auth_secret_ref: NameRef | None = Field(default=None, alias="authSecretRef")
     # The shared agent serving this BMC (unset: a dedicated one). The CRD's pattern; repeated for other sources.
-    agent_pool: str | None = Field(default=None, alias="agentPool", pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$",
-                                   max_length=40)
+    agent_pool: str | None = Field(default=None, alias="agentPool", pattern=POOL_PATTERN, max_length=POOL_MAX_LENGTH)
     ipmi: Ipmi = Field(default_factory=Ipmi)
     redfish: Redfish = Field(default_factory=Redfish)
     service: ServiceOptions = Field(default_factory=ServiceOptions)

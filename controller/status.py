@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import rollout
-from .desired import MAX_POOL_MEMBERS, pool_name
+from . import desired
 from .spec import BMCSpec
 
 Obj = dict[str, Any]
@@ -49,6 +48,19 @@ class Observed:
 IN_PROGRESS = frozenset({"AgentProgressing", "AgentNotReady", "ServicePending"})
 
 
+def progress_deadline_exceeded(deployment: Obj) -> str:
+    """The deployment controller's verdict that the current template did not become ready within
+    progressDeadlineSeconds (its message), or "": what halts a rollout (controller/rollout.py)."""
+    meta, status = deployment.get("metadata") or {}, deployment.get("status") or {}
+    if int(status.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
+        return ""  # a verdict on the template before this one
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("status") == "False" \
+                and cond.get("reason") == "ProgressDeadlineExceeded":
+            return str(cond.get("message") or "ProgressDeadlineExceeded")
+    return ""
+
+
 def agent_readiness(deployment: Obj | None) -> tuple[bool, str, str]:
     """From the Deployment's status: ready when the current generation's pod is ready (not just a ClusterIP)."""
     if deployment is None:
@@ -57,19 +69,19 @@ def agent_readiness(deployment: Obj | None) -> tuple[bool, str, str]:
     generation = int(meta.get("generation") or 0)
     if int(status.get("observedGeneration") or 0) < generation:
         return False, "AgentProgressing", "the agent Deployment's new generation is not observed yet"
-    failed = rollout.failed(deployment)
-    if failed and not rollout.ready(deployment):
+    want = int((deployment.get("spec") or {}).get("replicas", 1))
+    updated, ready = int(status.get("updatedReplicas") or 0), int(status.get("readyReplicas") or 0)
+    replicas = int(status.get("replicas") or 0)
+    if updated >= want and replicas <= updated and ready >= want:
+        return True, "AgentReady", f"{ready}/{want} agent pods ready"
+    failed = progress_deadline_exceeded(deployment)
+    if failed:
         deadline = (deployment.get("spec") or {}).get("progressDeadlineSeconds")
         return False, "ProgressDeadlineExceeded", (f"the agent did not become ready within {deadline}s "
                                                    f"({failed}): see its pod's events")
-    desired = int((deployment.get("spec") or {}).get("replicas", 1))
-    updated, ready = int(status.get("updatedReplicas") or 0), int(status.get("readyReplicas") or 0)
-    replicas = int(status.get("replicas") or 0)
-    if updated < desired or replicas > updated:
-        return False, "AgentProgressing", f"rolling out the agent ({updated}/{desired} updated)"
-    if ready < desired:
-        return False, "AgentNotReady", f"{ready}/{desired} agent pods ready"
-    return True, "AgentReady", f"{ready}/{desired} agent pods ready"
+    if updated < want or replicas > updated:
+        return False, "AgentProgressing", f"rolling out the agent ({updated}/{want} updated)"
+    return False, "AgentNotReady", f"{ready}/{want} agent pods ready"
 
 
 def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]:
@@ -91,7 +103,7 @@ def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]
         agent = Condition(AGENT_READY, False, "ChildRejected", observed.rejected)
     elif observed.pool_full:
         agent = Condition(AGENT_READY, False, "PoolFull", f"agent pool {observed.pool} serves at most "
-                          f"{MAX_POOL_MEMBERS} BMCs: this one waits for a free place")
+                          f"{desired.MAX_POOL_MEMBERS} BMCs: this one waits for a free place")
     elif observed.blocked_by:
         agent = Condition(AGENT_READY, False, "ChildConflict", observed.blocked_by)
     elif not observed.vm_found or problem:
@@ -101,7 +113,7 @@ def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]
         agent = Condition(AGENT_READY, *agent_readiness(observed.deployment))
         if observed.pool:
             agent = Condition(AGENT_READY, agent.status, agent.reason,
-                              f"agent pool {observed.pool} ({pool_name(observed.pool)}): {agent.message}")
+                              f"agent pool {observed.pool} ({desired.pool_name(observed.pool)}): {agent.message}")
     if observed.rejected or observed.pool_full:
         ready = Condition(READY, False, agent.reason, agent.message)
     elif not observed.vm_found:

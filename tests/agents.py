@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from kubernetes import client
 
@@ -72,6 +72,16 @@ def redfish_at(base: str, method: str, path: str, body: Any = None, timeout: flo
         return exc.code, json.loads(raw) if raw else None
 
 
+def stop_process(proc: subprocess.Popen[Any], log: IO[Any], timeout: float = 10) -> int:
+    """SIGTERM (unless it has exited), its exit status within `timeout` seconds, and its log file closed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        log.close()
+
+
 class AgentProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, ipmi_port: int | None = None) -> None:
         self.ipmi_port = ipmi_port or free_port(socket.SOCK_DGRAM)
@@ -101,12 +111,7 @@ class AgentProcess:
         return redfish_at(self.url, method, path, body)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=10)
-        finally:
-            self.log.close()
+        return stop_process(self.proc, self.log)
 
     def output(self) -> str:
         self.log.flush()

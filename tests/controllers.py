@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from typing import Any
 
 from kubernetes import client
 
-from .agents import PASSWORD, USER
+from .agents import PASSWORD, USER, stop_process
 from .conftest import REPO, call
 
 BMCS = "/apis/bmc.kubevirt.io/v1beta1/namespaces/{ns}/virtualmachinebmcs"
@@ -56,12 +55,7 @@ class ControllerProcess:
         return total
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=15)
-        finally:
-            self.log.close()
+        return stop_process(self.proc, self.log, timeout=15)
 
 
 def make_secret(api: client.ApiClient, ns: str, name: str = "vm-auth", username: str = USER,

@@ -22,6 +22,14 @@ def agent_processes() -> list[str]:
     return out.split()
 
 
+def assert_no_agent_left(before: set[str]) -> None:
+    """The agent processes the demo started are gone (within 10 s of its exit)."""
+    deadline = time.monotonic() + 10
+    while set(agent_processes()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not set(agent_processes()) - before, "the demo left agent processes behind"
+
+
 def test_demo_prints_reachable_bmcs_and_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     before = set(agent_processes())
     log = tmp_path / "demo.out"
@@ -68,10 +76,7 @@ def test_demo_prints_reachable_bmcs_and_stops_everything_on_ctrl_c(tmp_path: Pat
             demo.send_signal(signal.SIGINT)
             code = demo.wait(timeout=30)
     assert code == 0, log.read_text()
-    deadline = time.monotonic() + 10
-    while set(agent_processes()) - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not set(agent_processes()) - before, "the demo left agent processes behind"
+    assert_no_agent_left(before)
 
 
 def test_demo_without_the_sim_extra_says_what_to_install_in_one_line(tmp_path: Path) -> None:
@@ -114,10 +119,7 @@ def test_ctrl_c_during_start_up_stops_everything_without_claiming_a_time_out(tmp
     assert code == 130, text
     assert "kubevbmc demo: interrupted during start-up; stopped" in text
     assert "timed out" not in text and "Traceback" not in text, text
-    deadline = time.monotonic() + 10
-    while set(agent_processes()) - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not set(agent_processes()) - before, "the demo left agent processes behind"
+    assert_no_agent_left(before)
     controller = subprocess.run(["pgrep", "-f", f"vbmc controller --kubeconfig {workdir}"], capture_output=True)
     assert controller.returncode == 1, "the demo left its controller behind"
 
@@ -152,10 +154,7 @@ def test_demo_with_a_pool_serves_every_bmc_from_one_agent(tmp_path: Path) -> Non
             demo.send_signal(signal.SIGINT)
             code = demo.wait(timeout=30)
     assert code == 0, log.read_text()
-    deadline = time.monotonic() + 10
-    while set(agent_processes()) - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not set(agent_processes()) - before, "the demo left agent processes behind"
+    assert_no_agent_left(before)
 
 
 def test_demo_refuses_a_pool_name_the_crd_would_refuse(tmp_path: Path) -> None:

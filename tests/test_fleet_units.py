@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from controller import desired, rollout
+from controller import desired, rollout, status
 from controller.settings import Settings
 
 OLD = Settings(agent_image="kubevbmc:v1", rollout_batch="25%")
@@ -83,7 +83,7 @@ def test_a_corrected_template_fixes_the_broken_agent_first() -> None:
 def test_a_failed_verdict_of_an_older_generation_does_not_count() -> None:
     broken = agent("vm00", NEW, ready=False, failed=True)
     broken["metadata"]["generation"] = 3  # updated since: the verdict was about the template before
-    assert rollout.failed(broken) == ""
+    assert status.progress_deadline_exceeded(broken) == ""
 
 
 @pytest.mark.parametrize(("batch", "total", "size"), [("10%", 20, 2), ("10%", 5, 1), ("25%", 20, 5),

@@ -11,7 +11,6 @@ import datetime
 import json
 import os
 import re
-import signal
 import socket
 import ssl
 import subprocess
@@ -36,7 +35,7 @@ from vbmc.machine import PowerState
 from vbmc.memory import MemoryMachine
 from vbmc.pool import MemberSpec, PoolConfigError, parse_pool, plan, secret_pool_json
 
-from .agents import free_port, ipmitool_argv
+from .agents import free_port, ipmitool_argv, stop_process
 from .conftest import REPO, wait_for
 
 MEMBERS = 20
@@ -314,12 +313,7 @@ class PoolProcess:
         return self.log_path.read_text()
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=10)
-        finally:
-            self.log.close()
+        return stop_process(self.proc, self.log)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _pool_name(text: str) -> str:
     """spec.agentPool's schema: a DNS label of at most 40 characters ("": no pool)."""
-    if (text and not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", text)) or len(text) > 40:
+    from controller.spec import POOL_MAX_LENGTH, POOL_PATTERN
+
+    if (text and not re.fullmatch(POOL_PATTERN, text)) or len(text) > POOL_MAX_LENGTH:
         raise argparse.ArgumentTypeError(f"not a pool name (lowercase letters, digits and '-', at most 40): {text!r}")
     return text
 
