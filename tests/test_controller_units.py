@@ -168,6 +168,35 @@ def test_an_agent_log_level_the_agent_does_not_know_is_refused(capsys: pytest.Ca
     assert "invalid choice: 'verbose'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "problem"), [
+    (["--rollout-batch", "0"], "not a batch size"),
+    (["--rollout-batch", "150%"], "not a batch size"),
+    (["--rollout-batch", "ten"], "not a batch size"),
+    (["--rollout-timeout", "2s"], "out of range"),
+    (["--rollout-timeout", "2d"], "not a duration"),
+    (["--rollout-timeout", "soon"], "not a duration"),
+])
+def test_a_rollout_flag_out_of_its_domain_is_refused_naming_it(flags: list[str], problem: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    controller_flags = argparse.ArgumentParser()
+    add_arguments(controller_flags)
+    with pytest.raises(SystemExit) as exited:
+        controller_flags.parse_args(flags)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and flags[0] in err and problem in err, err
+
+
+def test_the_rollout_flags_read_what_they_say() -> None:
+    from controller.settings import settings_from
+
+    controller_flags = argparse.ArgumentParser()
+    add_arguments(controller_flags)
+    settings = settings_from(controller_flags.parse_args(["--rollout-batch", "25%", "--rollout-timeout", "90s"]))
+    assert (settings.rollout_batch, settings.rollout_timeout) == ("25%", 90)
+    settings = settings_from(controller_flags.parse_args(["--rollout-batch", "3", "--rollout-timeout", "2h"]))
+    assert (settings.rollout_batch, settings.rollout_timeout) == ("3", 7200)
+
+
 @pytest.mark.parametrize(("bmc_spec", "sec", "problem"), [
     ({}, secret(username="u", password="p"), None),
     ({}, None, "SecretNotFound"),
