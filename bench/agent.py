@@ -191,8 +191,8 @@ def kubevirt_agent() -> tuple[Any, subprocess.Popen[Any], int, int]:
     sys.path.insert(0, str(REPO))
     import yaml
 
-    from tests.conftest import BMC_CRD, call, start_sim, wait_for
-    from tests.vms import make_bmc, make_vm
+    from tests.support.cluster import BMC_CRD, call, start_sim, wait_for
+    from tests.support.vms import make_bmc, make_vm
 
     sim = start_sim(Path(tempfile.mkdtemp(prefix="bench-agent-")) / "sim")
     api = sim.api()
@@ -230,7 +230,7 @@ def pool_entries(count: int) -> list[dict[str, Any]]:
 
 
 def set_pool(api: Any, members: list[dict[str, Any]]) -> None:
-    from tests.conftest import call
+    from tests.support.cluster import call
 
     data = {"pool.json": base64.b64encode(json.dumps({"members": members}).encode()).decode()}
     body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": POOL_SECRET}, "data": data}
@@ -311,7 +311,7 @@ def bench_pool(sim: Any, kv_agent: subprocess.Popen[Any], kv_ipmi: int, kv_http:
     """The pool grown to 1, 10 and `members` members (the Secret updated, as the controller does), PSS after
     every member answered; the memory backend's figures as the floor (no watches, no cached VMs); then one member
     of the full pool against the dedicated agent, side by side."""
-    from tests.vms import make_bmc, make_vm
+    from tests.support.vms import make_bmc, make_vm
 
     api = sim.api()
     entries = pool_entries(members)

@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from bench.controller import create_vm, start_controller  # noqa: E402
-from tests.conftest import BMC_CRD, start_sim, wait_for  # noqa: E402
-from vbmc.kube import KubeClient, load_credentials  # noqa: E402
+from tests.support.cluster import BMC_CRD, start_sim, wait_for  # noqa: E402
+from vbmc.machine.kubevirt.client import KubeClient, load_credentials  # noqa: E402
 
 NS = "default"
 KUBECTL = Path(sys.executable).parent / "kubectl"

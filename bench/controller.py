@@ -38,8 +38,8 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from tests.conftest import BMC_CRD, Sim, start_sim, wait_for  # noqa: E402
-from vbmc.kube import KubeClient, Unreachable, load_credentials  # noqa: E402
+from tests.support.cluster import BMC_CRD, Sim, start_sim, wait_for  # noqa: E402
+from vbmc.machine.kubevirt.client import KubeClient, Unreachable, load_credentials  # noqa: E402
 
 NS = "bench"
 

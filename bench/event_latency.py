@@ -11,9 +11,9 @@ import argparse
 import statistics
 import time
 
-from tests.agents import AgentProcess
-from tests.conftest import wait_for
-from tests.test_eventservice import Receiver, SseClient, power, subscribe
+from tests.redfish.test_eventservice import Receiver, SseClient, power, subscribe
+from tests.support.agents import AgentProcess
+from tests.support.cluster import wait_for
 
 
 def percentile(values: list[float], p: float) -> float:

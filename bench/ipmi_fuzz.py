@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.ipmi_client import (  # noqa: E402
+from tests.ipmi.client import (  # noqa: E402
     OPEN_REQUEST,
     Console,
     fuzz_corpus,

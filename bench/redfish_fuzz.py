@@ -1,4 +1,4 @@
-"""The Redfish fuzz at scale: seeded random and mutated requests (tests/redfish_fuzz.py) against the Flask app in
+"""The Redfish fuzz at scale: seeded random and mutated requests (tests/redfish/fuzz.py) against the Flask app in
 process and over HTTP to a running agent (memory backend), one request per connection, sequentially.
 
 Checks every answer (no 5xx but 503, a Redfish JSON error body on every 4xx), counts what the server refused
@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.agent import children, free_port, memory_of, wait_http  # noqa: E402
-from tests.redfish_fuzz import Fuzzer, answer_problem, send_raw, wsgi_path  # noqa: E402
-from vbmc.memory import MemoryMachine  # noqa: E402
+from tests.redfish.fuzz import Fuzzer, answer_problem, send_raw, wsgi_path  # noqa: E402
+from vbmc.machine.memory import MemoryMachine  # noqa: E402
 from vbmc.redfish.app import create_app  # noqa: E402
 
 USER, PASSWORD, VM = "admin", "fuzz-password", "vm"

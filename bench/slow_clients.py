@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.agent import PASSWORD, USER, free_port, memory_of  # noqa: E402
-from tests.agents import write_serving_certificate  # noqa: E402
+from tests.support.agents import write_serving_certificate  # noqa: E402
 
 AUTH = {"Authorization": "Basic " + __import__("base64").b64encode(f"{USER}:{PASSWORD}".encode()).decode()}
 SYSTEM = "/redfish/v1/Systems/vm"
@@ -51,7 +51,7 @@ TRICKLE = b"GET /redfish/v1 HTTP/1.1\r\nHost: bmc\r\nX-Pad: " + b"a" * 100_000
 
 def peer_app() -> Any:
     """The Flask app behind gunicorn, with the probes the agent used to answer through the app's threads."""
-    from vbmc.memory import MemoryMachine
+    from vbmc.machine.memory import MemoryMachine
     from vbmc.redfish import create_app
 
     app = create_app(MemoryMachine("vm"), USER, PASSWORD, system_id="vm", bmc_uuid="vm")

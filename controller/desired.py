@@ -66,7 +66,7 @@ def tls_secret_name(vm: str) -> str:
 
 
 def events_secret_name(vm: str) -> str:
-    """The Secret the agent keeps its Redfish event subscriptions in (vbmc/eventservice.py, SecretStore): created
+    """The Secret the agent keeps its Redfish event subscriptions in (vbmc/agent/subscriptions.py): created
     empty by the controller, written by the agent only."""
     return child_name(vm) + "-events"
 
@@ -405,7 +405,7 @@ def desired_pool_role_binding(namespace: str, pool: str, members: list[Obj]) -> 
 
 
 def pool_member(bmc: Obj, vm: str, slot: int, credentials: Obj, tls_secret: Obj | None) -> Obj:
-    """One member as the pool's agent reads it (vbmc/pool.py): who, where, its credentials and certificate."""
+    """One member as the pool's agent reads it (vbmc/agent/pool.py): who, where, its credentials and certificate."""
     spec = BMCSpec.of(bmc)
     ipmi, http, https = slot_ports(slot)
     data = credentials.get("data") or {}

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from . import status  # (a module: status and desired import each other's names through this one)
+from . import verdicts
 from .settings import Settings
 
 Obj = dict[str, Any]
@@ -111,12 +111,12 @@ def plan(deployments: Iterable[Obj], settings: Settings) -> Plan:
     halted: list[tuple[Key, str]] = []
     for d in agents:
         key = key_of(d)
-        ready = status.agent_readiness(d)[0]
+        ready = verdicts.agent_readiness(d)[0]
         if revision_of(d) != target:
             outdated.append((1 if ready else 0, key))  # a broken agent cannot get worse: first
         elif ready:
             updated_ready += 1
-        elif why := status.progress_deadline_exceeded(d):
+        elif why := verdicts.progress_deadline_exceeded(d):
             halted.append((key, why))
         else:
             in_flight += 1

@@ -56,10 +56,15 @@ def config_from(args: Any) -> SimConfig:
                      vm_stop_delay=args.vm_stop_delay, import_delay=args.import_delay,
                      history_size=args.history, log_dir=args.log_dir, bookmark_interval=args.bookmark_interval,
                      pod_cidr=args.pod_cidr, service_cidr=args.service_cidr,
-                     load_balancer_cidr=args.load_balancer_cidr,
-                     # `kubevbmc demo` builds its own arguments, without this flag
-                     token_ttl=getattr(args, "token_ttl", 0.0),
+                     load_balancer_cidr=args.load_balancer_cidr, token_ttl=args.token_ttl,
                      local_entrypoint=[sys.executable, "-m", "vbmc"])
+
+
+def config_of(argv: list[str]) -> SimConfig:
+    """The configuration `kubevbmc sim ARGV` runs with (the demo starts its simulator from the same flags)."""
+    parser = argparse.ArgumentParser(prog="kubevbmc sim")
+    add_arguments(parser)
+    return config_from(parser.parse_args(argv))
 
 
 def run(args: Any) -> int:

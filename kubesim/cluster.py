@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 CRD_FILES = ("kubevirt.io_virtualmachines.yaml", "kubevirt.io_virtualmachineinstances.yaml",
              "cdi.kubevirt.io_datavolumes.yaml")
-NODE_NAME = "kubesim-node"
+NODE_NAME = kubelet.NODE_NAME
 ADMIN_USER = "kubernetes-admin"
 
 

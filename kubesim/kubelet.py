@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
-NODE_NAME = "kubesim-node"  # cluster.NODE_NAME (not imported: cluster imports this module)
+NODE_NAME = "kubesim-node"  # the one node, whose kubelet this is
 HOST_IP = "127.0.0.1"
 BACKOFF_START, BACKOFF_CAP = 1.0, 10.0
 RETRY_SECONDS = 1.0  # a missing Secret or ConfigMap is looked for again this often

@@ -13,7 +13,7 @@
 - the serial console (`virtualmachineinstances/console`, a WebSocket): virt-api's checks here, the guest's serial
   line in kubesim/console.py, kept in step with each VMI by virt-handler's `SerialConsoleController`.
 
-Decisions are pure functions (table-tested in tests/test_sim_kubevirt.py); the loops only read, decide, write.
+Decisions are pure functions (table-tested in tests/sim/test_kubevirt.py); the loops only read, decide, write.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 from . import errors
 from .console import Domain, SerialConsoles
+from .kubelet import NODE_NAME
 from .loop import ControlLoop
 from .objects import clone, drop_finalizer, now, set_condition
 from .resources import ResourceType
@@ -1544,8 +1545,6 @@ def admit(op: str, rtype: Any, new: Obj, old: Obj | None) -> None:
 
 def install(cluster: Any) -> None:
     """Register virt-api's subresources, virt-controller and virt-handler with `cluster`."""
-    from .cluster import NODE_NAME  # cluster imports this module
-
     config = cluster.config
     consoles = SerialConsoles()
     cluster.server.add_subresource_api(VirtApi(cluster.store, consoles).subresource_api())

@@ -9,7 +9,7 @@ import importlib
 SUBCOMMANDS = (
     ("sim", "run kubesim, a simulated Kubernetes cluster with KubeVirt", "kubesim.cli"),
     ("demo", "a simulated cluster with a few VMs and their BMCs", "vbmc.demo"),
-    ("agent", "serve IPMI and Redfish for one VM (or, with --pool, for many)", "vbmc.agent"),
+    ("agent", "serve IPMI and Redfish for one VM (or, with --pool, for many)", "vbmc.agent.command"),
     ("controller", "reconcile VirtualMachineBMCs into agents", "controller.cli"),
 )
 

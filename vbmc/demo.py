@@ -99,18 +99,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
     import yaml
 
-    from kubesim.cli import config_from as sim_config
+    from kubesim.cli import config_of as sim_config
     from kubesim.cluster import Cluster
 
-    from .kube import KubeClient, KubeError, load_credentials
+    from .machine.kubevirt.client import KubeClient, KubeError, load_credentials
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kubevbmc-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    sim_args = argparse.Namespace(listen=args.listen, kubeconfig=str(workdir / "kubeconfig"), kubelet="process",
-                                  vm_start_delay=1.0, vm_stop_delay=2.0, import_delay=1.0, history=20000,
-                                  log_dir=str(workdir / "pods"), bookmark_interval=5.0, pod_cidr=args.pod_cidr,
-                                  service_cidr=args.service_cidr, load_balancer_cidr=args.load_balancer_cidr)
-    cluster = Cluster(sim_config(sim_args))
+    # kubesim's own defaults, but for what the demo chooses (bookmarks every 5 s: the agents' watches show life
+    # sooner than a real API server's minute).
+    cluster = Cluster(sim_config([
+        "--listen", args.listen, "--kubeconfig", str(workdir / "kubeconfig"), "--log-dir", str(workdir / "pods"),
+        "--bookmark-interval", "5", "--pod-cidr", args.pod_cidr, "--service-cidr", args.service_cidr,
+        "--load-balancer-cidr", args.load_balancer_cidr]))
     controller: subprocess.Popen[bytes] | None = None
     try:
         cluster.start()
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"every BMC above is served by one agent: Deployment {ns}/{args.pool}-virtbmc-pool")
         print()
         print(f"kubeconfig: {cluster.kubeconfig}")
-        print(f"logs: agents in {Path(sim_args.log_dir)}/ (one file per pod), controller in "
+        print(f"logs: agents in {workdir / 'pods'}/ (one file per pod), controller in "
               f"{workdir / 'controller.log'}")
         print()
         print("try:")

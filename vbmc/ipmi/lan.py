@@ -117,7 +117,7 @@ def parameters(network: Network) -> dict[int, bytes]:
         CIPHER_SUITE_ENTRIES: bytes([0]) + bytes(s.id for s in codec.CIPHER_SUITES),
         CIPHER_SUITE_PRIVILEGES: _privileges(),
         # User lockout after bad passwords: none (threshold 0). The agent slows a source down after failed logins
-        # (vbmc/throttle.py) but never disables the account.
+        # (vbmc/access/throttle.py) but never disables the account.
         BAD_PASSWORD_THRESHOLD: bytes(6),
         # IPv6 (table 23-4, parameters 50 and 51): no IPv6 addressing; IPv4 only, and that is what is enabled.
         IPV6_SUPPORT: b"\x00",

@@ -1,5 +1,5 @@
 """The System Event Log (IPMI v2.0 sections 31 and 32): what happened to the VM, from its event bus
-(vbmc/events.py), as system event records of the sensors in sdr.py.
+(vbmc/machine/events.py), as system event records of the sensors in sdr.py.
 
 | bus event | sensor (type) | offset |
 |---|---|---|
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..events import POWER_STATE_CHANGED, Event
+from ..machine.events import POWER_STATE_CHANGED, Event
 from . import sdr
 from .codec import Completion
 

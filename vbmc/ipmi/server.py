@@ -23,11 +23,11 @@ from concurrent import futures
 from importlib import metadata
 from typing import Any, NamedTuple, TypeVar
 
-from .. import audit
-from ..events import POWER_STATE_CHANGED, Event
+from ..access import audit
+from ..access.throttle import LoginThrottle, source_key
 from ..machine import BackendUnavailable, BootOverride, InvalidRequest, Machine, MachineError, PowerState, ResetType
-from ..serialconsole import ConsoleBridge
-from ..throttle import LoginThrottle, source_key
+from ..machine.console import ConsoleBridge
+from ..machine.events import POWER_STATE_CHANGED, Event
 from . import codec, fru, lan, rmcp, sdr, sel, sol
 from .codec import Completion, IdentifyState, Privilege, RestartCause, SessionEntry
 from .session import (
@@ -747,7 +747,7 @@ class IpmiServer:
             self.sel.record(event)
 
     def _machine_event(self, event: Event) -> None:
-        """Called on the publishing thread (vbmc/events.py): the SEL, and what power-up and restart cause
+        """Called on the publishing thread (vbmc/machine/events.py): the SEL, and what power-up and restart cause
         follow."""
         self._log_event(event)
         if event.reason != POWER_STATE_CHANGED:

@@ -79,7 +79,7 @@ class SessionHost(Protocol):
     def password_for(self, username: str) -> bytes | None: ...
 
     def login_refused(self, session: RmcpPlusSession) -> bool:
-        """True when the session's source is locked out after failed logins (see vbmc/throttle.py)."""
+        """True when the session's source is locked out after failed logins (see vbmc/access/throttle.py)."""
         ...
 
     def auth_succeeded(self, session: RmcpPlusSession) -> None: ...
@@ -314,7 +314,7 @@ class RmcpPlusSession(serversession.ServerSession):
             self._send_rakp2_error(tag, STATUS_UNAUTHORIZED_ROLE)
             return
         if self.host.login_refused(self):
-            # Locked out after failed logins (vbmc/throttle.py): no RAKP 2, whose HMAC would be one more guess to
+            # Locked out after failed logins (vbmc/access/throttle.py): no RAKP 2, whose HMAC would be one more guess to
             # test offline; "insufficient resources" tells the console to come back later.
             self._send_rakp2_error(tag, STATUS_INSUFFICIENT_RESOURCES)
             return

@@ -1,7 +1,13 @@
 """The Redfish frontend: a Flask app over one Machine (`create_app`) and the agent's server for it (`server`).
 
 `create_app` is imported lazily: importing `server` (the agent does, to bind its ports first) loads neither Flask
-nor pydantic."""
+nor pydantic.
+
+Inside: the app and its routes (`app`, `systems`, `managers`, `media`, `tasks`, `events`, `accounts`), the
+documents they render (`resources`), the EventService with its subscriptions and deliveries (`eventservice`), and
+the HTTP server (`server`).
+
+May import `vbmc.machine` (not its backends) and `vbmc.access`; never `vbmc.ipmi` or the agent."""
 
 from __future__ import annotations
 

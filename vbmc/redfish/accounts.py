@@ -10,7 +10,7 @@ import time
 
 from flask import Blueprint, Response, g, request
 
-from .. import audit
+from ..access import audit
 from . import payloads, resources
 from .errors import RedfishError, not_found
 from .resources import ROOT

@@ -22,12 +22,12 @@ from typing import Any
 from flask import Blueprint, Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from .. import audit
-from ..eventservice import EventService, SubscriptionStore
+from ..access import audit
+from ..access.throttle import LoginThrottle
 from ..machine import BackendUnavailable, Machine, MachineError, Unsupported
-from ..throttle import LoginThrottle
 from . import accounts, events, managers, media, resources, systems, tasks
 from .errors import RedfishError, not_found
+from .eventservice import EventService, SubscriptionStore
 from .resources import ROOT, SSE_URI, Ids
 from .service import JSON_TYPE, ODATA_HEADERS, Service
 from .sessions import SessionStore
@@ -59,7 +59,7 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
     in seconds; `clock` is injectable so that tests can expire sessions without waiting. `ports` are the
     ports clients reach the BMC on (the Service's), shown in the Manager's NetworkProtocol. `bmc_uuid` seeds
     the service and manager UUIDs (default: the machine's UUID). `throttle` slows password guessing per source
-    address (vbmc/throttle.py); the agent shares one with its IPMI server. `subscriptions` keeps the
+    address (vbmc/access/throttle.py); the agent shares one with its IPMI server. `subscriptions` keeps the
     EventService's subscriptions (default: in memory; the agent's is a Secret); `event_ca_file` adds CA
     certificates to the system's for HTTPS event destinations."""
     if system_id is None or bmc_uuid is None:
@@ -192,7 +192,7 @@ def _errors_and_audit(app: Flask, svc: Service) -> None:
     @app.after_request
     def log_action(response: Response) -> Response:
         if request.method not in ("GET", "HEAD", "OPTIONS") and not g.get("audited"):
-            # One audit line per action (vbmc/audit.py), the same fields as the IPMI frontend's.
+            # One audit line per action (vbmc/access/audit.py), the same fields as the IPMI frontend's.
             took = time.perf_counter() - g.get("started", time.perf_counter())
             audit.record(f"{request.method} {request.path}", svc.ids.system_id, str(response.status_code), took,
                          level=logging.INFO if response.status_code < 400 else logging.WARNING)

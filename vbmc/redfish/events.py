@@ -1,5 +1,5 @@
 """The EventService: subscriptions (EventDestination: POST, GET, PATCH of Context, DELETE), SubmitTestEvent, and
-the SSE stream at ServerSentEventUri. Delivery and the subscriptions' store are vbmc/eventservice.py's."""
+the SSE stream at ServerSentEventUri. Delivery and the subscriptions' store are vbmc/redfish/eventservice.py's."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from urllib.parse import urlsplit
 
 from flask import Blueprint, Response, request
 
-from .. import eventservice
-from ..eventservice import SSE_ENVIRON, EventService, StoreUnavailable, Subscription, TooMany
-from . import payloads, resources
+from . import eventservice, payloads, resources
 from .errors import RedfishError, not_found
+from .eventservice import SSE_ENVIRON, EventService, StoreUnavailable, Subscription, TooMany
 from .resources import EVENT_SERVICE, SSE_URI, SUBMIT_TEST_EVENT, SUBSCRIPTIONS
 from .service import Rendered, Service, etag_of
 

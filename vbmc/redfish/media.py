@@ -15,7 +15,7 @@ from . import payloads, resources
 from .errors import RedfishError, not_found
 from .resources import TASKS
 from .service import Rendered, Service
-from .tasks import follow
+from .taskstore import follow
 
 MAX_IMAGE_URL = 2048
 # RFC 3986 reg-name, ASCII only (an internationalised host name is given in its punycode form).

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..audit import redact_url
+from ..access.audit import redact_url
 from ..machine import (
     BootOverride,
     BootTarget,

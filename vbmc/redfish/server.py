@@ -32,8 +32,9 @@ for a new connection (a stalled one stays open for good), and gunicorn's asgi wo
 whole requests on its own loop but has no TLS. The agent is also one process instead of a master and a worker
 (44.1 MB PSS on kubesim's VM, 52.8 MB before).
 
-SIGTERM (or SIGINT) stops accepting, lets in-flight requests finish for `graceful_timeout` seconds, runs the stop
-hook (the agent stops IPMI and its watches) and returns: the agent exits within two seconds."""
+`Listeners` serve listening sockets on a running event loop (any number of fronts on one loop: the agent serves
+every BMC of a pool on one); on SIGTERM the agent stops accepting, lets in-flight requests finish for
+`graceful_timeout` seconds, then closes every connection (vbmc/agent/runtime.py): it exits within two seconds."""
 
 from __future__ import annotations
 
@@ -41,7 +42,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 import socket
 import ssl
 import sys
@@ -53,13 +53,11 @@ from io import BytesIO
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from ..eventservice import SSE_ENVIRON
 from .errors import RedfishError
+from .eventservice import SSE_ENVIRON
 
 log = logging.getLogger("vbmc.redfish.server")
 
-AppFactory = Callable[[], Any]  # returns a WSGI app (the Flask app of vbmc.redfish.app.create_app)
-Hook = Callable[[], None]
 Probe = Callable[[], bool]  # True: 200 "ok"; False: 503 "not ready"
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -188,7 +186,7 @@ class RedfishFront:
 
     async def _stream(self, stream: Any, status: int, headers: list[tuple[bytes, bytes]], receive: Receive,
                       send: Send, head: bool) -> None:
-        """An SSE response (vbmc/eventservice.py's EventStream), written on the event loop: it takes no worker
+        """An SSE response (vbmc/redfish/eventservice.py's EventStream), written on the event loop: it takes no worker
         thread, and ends when the client goes away (http.disconnect) or the stream is closed."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
@@ -355,7 +353,7 @@ def _http1_with_redfish_errors() -> None:
     """HTTP/1.1 only (see `http1_only`), and Redfish error bodies below the app: h11 rejects a malformed request
     line or header block, or one larger than its buffer, before any app sees it, and hypercorn then answers with
     an empty body. Answer with a Redfish error body instead, and never with a 5xx: an unknown transfer coding
-    (h11's 501) is the client's error too (400). hypercorn is pinned; tests/test_hostile_http.py checks both."""
+    (h11's 501) is the client's error too (400). hypercorn is pinned; tests/redfish/test_hostile_http.py checks both."""
     from hypercorn.protocol import h11 as hypercorn_h11
 
     if getattr(hypercorn_h11.H11Protocol, "_kubevbmc_errors", False):
@@ -387,7 +385,7 @@ def _http1_with_redfish_errors() -> None:
 # ---- running it
 
 
-def _quiet_loop_errors(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+def quiet_loop_errors(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """A peer that resets, sends garbage for a TLS handshake or times out ends its connection: one debug line,
     never a traceback in the agent's log."""
     exc = context.get("exception")
@@ -472,24 +470,6 @@ class _CappedListener(socket.socket):
         return conn, address
 
 
-def listen(hc: Any, connections: int) -> Any:
-    """Bind and listen on every address now, so that a port in use fails before the app is built, and a client
-    that connects while the app starts waits in the backlog instead of being refused."""
-    from hypercorn.config import Sockets
-
-    slots = _Slots(connections)
-
-    def capped(sock: socket.socket) -> socket.socket:
-        listener = _CappedListener(sock.family, sock.type, sock.proto, fileno=sock.detach())
-        listener.slots = slots
-        listener.set_inheritable(False)
-        listener.listen(hc.backlog)
-        return listener
-
-    sockets = hc.create_sockets()
-    return Sockets([capped(s) for s in sockets.secure_sockets], [capped(s) for s in sockets.insecure_sockets], [])
-
-
 def bind_listener(host: str, port: int, slots: _Slots, backlog: int = 1024) -> socket.socket:
     """One listening TCP socket on (host, port) as listen() makes them (TCP_NODELAY, SO_REUSEADDR, capped by
     `slots`), for the pool agent's listeners. Raises OSError (port in use, address not local)."""
@@ -516,10 +496,10 @@ def connection_slots(cap: int) -> _Slots:
 
 
 class Listeners:
-    """Listening sockets served on the running event loop by hypercorn's connection handling, as serve() serves
-    them (the same config: deadlines, limits, HTTP/1.1 only), each plain or with its own TLS context, for one
-    front. Unlike serve(), several can share one event loop, and close() ends their connections too (the pool
-    agent restarts one member's listeners while the others serve on)."""
+    """Listening sockets served on the running event loop by hypercorn's connection handling (hypercorn's config:
+    deadlines, limits, HTTP/1.1 only), each plain or with its own TLS context, for one front. Several share one
+    event loop, and close() ends their connections too (the pool agent restarts one member's listeners while the
+    others serve on)."""
 
     def __init__(self, front: RedfishFront, hc: Any, sockets: list[tuple[socket.socket, ssl.SSLContext | None]],
                  context: Any, state: dict[str, Any]) -> None:
@@ -562,6 +542,10 @@ class Listeners:
     def connections(self) -> int:
         return len(self._connections)
 
+    def stop_accepting(self) -> None:
+        for server in self._servers:
+            server.close()
+
     async def close(self, grace: float = 0.5) -> None:
         """Stop listening and end every connection at once (in-flight requests included: the caller is
         replacing or removing what they talk to). The front is its owner's to close (it may serve other
@@ -582,11 +566,6 @@ class Listeners:
         self._servers.clear()
 
 
-def close_sockets(sockets: Any) -> None:
-    for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
-        sock.close()
-
-
 def _small_tls_buffers() -> None:
     """asyncio gives every TLS connection a 256 KiB read buffer the moment it is accepted, before the handshake:
     200 clients that send five bytes of a ClientHello and wait cost 50 MB. A TLS record carries at most 16 KiB of
@@ -599,71 +578,29 @@ def _small_tls_buffers() -> None:
         protocol.max_size = TLS_READ_BUFFER
 
 
-async def _serve(front: RedfishFront, hc: Any, sockets: Any, *, ready: threading.Event | None = None,
-                 stop: asyncio.Event | None = None) -> None:
-    from hypercorn.asyncio.run import worker_serve
-    from hypercorn.utils import wrap_app
-
-    _http1_with_redfish_errors()
-    _small_tls_buffers()
-    loop = asyncio.get_running_loop()
-    loop.set_exception_handler(_quiet_loop_errors)
-    stop = stop or asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (tests): the caller stops us
-            loop.add_signal_handler(signum, stop.set)
-    server = asyncio.create_task(worker_serve(wrap_app(front, hc.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
-                                              hc, sockets=sockets, shutdown_trigger=stop.wait))
-    stopping = asyncio.create_task(stop.wait())
-    if ready is not None:
-        ready.set()
-    done, _ = await asyncio.wait({server, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if server in done:
-        stopping.cancel()
-        server.result()  # the server failed to start: raise why
-        return
-    try:
-        # hypercorn waits for in-flight requests for graceful_timeout; closing the listeners can wait on
-        # connections still open (Python 3.12+), and a TLS connection's close waits for the peer's close_notify,
-        # none of which a SIGTERM waits for. hypercorn 0.18 then fails its own bookkeeping (InvalidStateError on
-        # a gather it cancelled): the server has stopped all the same.
-        await asyncio.wait_for(server, hc.graceful_timeout + 0.5)
-    except (TimeoutError, asyncio.InvalidStateError, asyncio.CancelledError) as exc:
-        log.debug("redfish: stopped with connections still closing (%s)", type(exc).__name__)
-
-
-def serve(app_factory: AppFactory, config: ServerConfig, *, probes: Mapping[str, Probe] | None = None,
-          on_start: Hook | None = None, on_stop: Hook | None = None) -> None:
-    """Run the server in the foreground until SIGTERM/SIGINT (the agent's main loop). The addresses are bound
-    first, then `app_factory` runs in this process; `probes` are answered on the event loop, without the app or
-    credentials. `on_stop` runs once the server has stopped (or failed to start)."""
-    hc = hypercorn_config(config)
-    sockets = listen(hc, config.limits.connections)
-    front: RedfishFront | None = None
-    try:
-        front = RedfishFront(app_factory(), probes=probes, threads=config.threads,
-                             body_timeout=config.body_timeout, limits=config.limits)
-        if on_start is not None:
-            on_start()
-        asyncio.run(_serve(front, hc, sockets))
-    finally:
-        close_sockets(sockets)
-        if front is not None:
-            front.close()
-        if on_stop is not None:
-            on_stop()
-
-
 class BackgroundServer:
-    """The agent's server (front, limits, timeouts) for a WSGI app, on an event loop in a background thread: for
-    tests and benchmarks that need the real server in their own process."""
+    """The agent's server (front, limits, timeouts, Listeners) for a WSGI app, on an event loop in a background
+    thread: for tests and benchmarks that need the real server in their own process. The addresses are bound at
+    once (`ports`, `tls_ports`)."""
 
     def __init__(self, app: Any, config: ServerConfig, *, probes: Mapping[str, Probe] | None = None) -> None:
         self.config = config
         self._hc = hypercorn_config(config)
-        self._sockets = listen(self._hc, config.limits.connections)
-        self.ports = [sock.getsockname()[1] for sock in self._sockets.insecure_sockets]
-        self.tls_ports = [sock.getsockname()[1] for sock in self._sockets.secure_sockets]
+        tls_binds, plain_binds = config.binds()
+        slots = connection_slots(config.limits.connections)
+        context = self._hc.create_ssl_context() if tls_binds else None
+        self._sockets: list[tuple[socket.socket, ssl.SSLContext | None]] = []
+        try:
+            for bind, tls in [*((b, None) for b in plain_binds), *((b, context) for b in tls_binds)]:
+                host, _, port = bind.rpartition(":")
+                self._sockets.append((bind_listener(host.strip("[]") or "0.0.0.0", int(port), slots,
+                                                    self._hc.backlog), tls))
+        except BaseException:
+            for sock, _ in self._sockets:
+                sock.close()
+            raise
+        self.ports = [sock.getsockname()[1] for sock, tls in self._sockets if tls is None]
+        self.tls_ports = [sock.getsockname()[1] for sock, tls in self._sockets if tls is not None]
         self.front = RedfishFront(app, probes=probes, threads=config.threads, body_timeout=config.body_timeout,
                                   limits=config.limits)
         self._ready = threading.Event()
@@ -673,10 +610,19 @@ class BackgroundServer:
         self._thread = threading.Thread(target=self._run, name="redfish-server", daemon=True)
 
     def _run(self) -> None:
+        from hypercorn.asyncio.worker_context import WorkerContext
+
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
+            self._loop.set_exception_handler(quiet_loop_errors)
             self._stop = asyncio.Event()
-            await _serve(self.front, self._hc, self._sockets, ready=self._ready, stop=self._stop)
+            listeners = Listeners(self.front, self._hc, self._sockets, WorkerContext(None), {})
+            await listeners.start()
+            self._ready.set()
+            try:
+                await self._stop.wait()
+            finally:
+                await listeners.close()
 
         try:
             asyncio.run(main())
@@ -694,7 +640,8 @@ class BackgroundServer:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=10)
-        close_sockets(self._sockets)
+        for sock, _ in self._sockets:
+            sock.close()
         self.front.close()
 
     def __enter__(self) -> BackgroundServer:

@@ -22,15 +22,15 @@ from typing import Any
 
 from flask import Blueprint, Response, g, request
 
-from .. import audit
-from ..eventservice import EventService
+from ..access import audit
+from ..access.throttle import LoginThrottle
 from ..machine import Machine
-from ..throttle import LoginThrottle
 from . import payloads, resources
 from .errors import RedfishError
+from .eventservice import EventService
 from .resources import Ids
 from .sessions import SessionStore
-from .tasks import TaskStore
+from .taskstore import TaskStore
 
 JSON_TYPE = "application/json; charset=utf-8"
 REALM = 'Basic realm="KubeVBMC", charset="UTF-8"'
@@ -92,7 +92,7 @@ class Service:
     manager_uuid: str
     session_timeout: int
     require_tls: bool = False  # refuse credentials that come over plain HTTP (spec.redfish.requireTLS)
-    events: EventService | None = None  # vbmc/eventservice.py: subscriptions, delivery, SSE
+    events: EventService | None = None  # vbmc/redfish/eventservice.py: subscriptions, delivery, SSE
     tasks: TaskStore = field(default_factory=lambda: TaskStore())
     cache: RenderCache = field(default_factory=RenderCache)
     links: LinkHeaders = field(default_factory=LinkHeaders)

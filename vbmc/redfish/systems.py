@@ -9,7 +9,16 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 
-from ..machine import BootEnabled, BootMode, BootOverride, BootTarget, InvalidRequest, Inventory, ResetType, Unsupported
+from ..machine import (
+    BootEnabled,
+    BootMode,
+    BootOverride,
+    BootTarget,
+    InvalidRequest,
+    Inventory,
+    ResetType,
+    Unsupported,
+)
 from . import payloads, resources
 from .errors import RedfishError, not_found
 from .resources import Ids

@@ -1,0 +1,1 @@
+"""The controller (controller/): reconciling VirtualMachineBMCs, fleets, pools, rollouts, certificates, failover."""

@@ -1,0 +1,187 @@
+"""Virtual media as tasks: InsertMedia checks the image, sizes its import, answers 202 with a Task that follows CDI,
+and a power-on never boots without the medium. Against an agent on kubesim, with sushy and plain HTTP clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import sushy
+from kubernetes import client
+
+from vbmc.machine.kubevirt import imagecheck
+
+from ..support.agents import PASSWORD, USER, AgentProcess, agent_for_vm, sushy_at, write_serving_certificate
+from ..support.cluster import Sim, call, start_sim, wait_for
+from ..support.images import ImageServer
+from ..support.vms import get_vmi, running_vmi_uid
+
+GI = 2**30
+INSERT = "/redfish/v1/Managers/BMC/VirtualMedia/Cd/Actions/VirtualMedia.InsertMedia"
+CD = "/redfish/v1/Managers/BMC/VirtualMedia/Cd"
+DVS = "/apis/cdi.kubevirt.io/v1beta1/namespaces/{ns}/datavolumes"
+
+
+@pytest.fixture
+def images() -> Iterator[ImageServer]:
+    server = ImageServer(3 * GI)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def agent(sim: Sim, api: client.ApiClient, namespace: str, bmc_crd: None) -> Iterator[AgentProcess]:
+    with agent_for_vm(sim, api, namespace) as process:
+        yield process
+
+
+def insert(agent: AgentProcess, url: str) -> tuple[int, dict[str, Any], str]:
+    resp = requests.post(f"{agent.url}{INSERT}", json={"Image": url}, auth=(USER, PASSWORD), timeout=10)
+    return resp.status_code, resp.json(), resp.headers.get("Location", "")
+
+
+def task_of(agent: AgentProcess, location: str) -> dict[str, Any]:
+    return dict(requests.get(f"{agent.url}{location}", auth=(USER, PASSWORD), timeout=5).json())
+
+
+def event_reasons(api: client.ApiClient, ns: str) -> list[str]:
+    return [e["reason"] for e in call(api, "GET", f"/api/v1/namespaces/{ns}/events").body["items"]]
+
+
+def datavolumes(api: client.ApiClient, ns: str) -> list[dict[str, Any]]:
+    return list(call(api, "GET", DVS.format(ns=ns)).body["items"])
+
+
+def test_a_good_image_is_sized_and_its_task_completes_with_progress(
+        agent: AgentProcess, api: client.ApiClient, namespace: str, images: ImageServer) -> None:
+    status, task, location = insert(agent, f"{images.base}/boot.iso")
+    assert status == 202 and location.startswith("/redfish/v1/TaskService/Tasks/")
+    assert task["TaskState"] in ("Running", "Completed")
+    (dv,) = datavolumes(api, namespace)
+    # 3 GiB over CDI's 5.5% filesystem overhead, plus 5%: the claim holds the image
+    assert dv["spec"]["storage"]["resources"]["requests"]["storage"] == imagecheck.quantity(
+        imagecheck.claim_size(imagecheck.ImageInfo(3 * GI)))
+    seen: list[int] = []
+
+    def completed() -> bool:
+        current = task_of(agent, location)
+        seen.append(current["PercentComplete"])
+        return bool(current["TaskState"] == "Completed")
+
+    wait_for(completed, timeout=10, what="the import to complete")
+    assert seen[-1] == 100 and seen == sorted(seen)
+    shown = requests.get(f"{agent.url}{CD}", auth=(USER, PASSWORD), timeout=5).json()
+    assert shown["Inserted"] is True and shown["Image"].endswith("/boot.iso")
+    tasks = requests.get(f"{agent.url}/redfish/v1/TaskService/Tasks", auth=(USER, PASSWORD), timeout=5).json()
+    assert {"@odata.id": location} in tasks["Members"]
+    wait_for(lambda: "VirtualMediaImported" in event_reasons(api, namespace), timeout=5, what="the import's Event")
+    assert "Virtual CD" in agent.ipmitool("sel", "elist").stdout  # the import's end is in the SEL
+
+
+@pytest.mark.parametrize(("path", "size", "reason"), [
+    ("/missing.iso", 3 * GI, "answered 404"),
+    ("/boot.iso", 100 * GI, "more than this BMC imports"),
+])
+def test_a_missing_or_too_large_image_ends_in_an_exception_and_creates_nothing(
+        agent: AgentProcess, api: client.ApiClient, namespace: str, images: ImageServer, path: str, size: int,
+        reason: str) -> None:
+    images.size = size
+    status, task, _ = insert(agent, f"{images.base}{path}")
+    assert status == 202
+    assert task["TaskState"] == "Exception" and reason in task["Messages"][0]["Message"]
+    assert datavolumes(api, namespace) == []
+    shown = requests.get(f"{agent.url}{CD}", auth=(USER, PASSWORD), timeout=5).json()
+    assert shown["Inserted"] is False
+
+
+def test_an_import_cdi_fails_ends_the_task_in_an_exception_and_the_slot_empty(
+        agent: AgentProcess, api: client.ApiClient, namespace: str, images: ImageServer) -> None:
+    status, _, location = insert(agent, f"{images.base}/broken")  # HEAD says fine; CDI's GET gets a 500
+    assert status == 202
+    wait_for(lambda: task_of(agent, location)["TaskState"] == "Exception", timeout=10, what="the failure")
+    assert "500" in task_of(agent, location)["Messages"][0]["Message"]
+    shown = requests.get(f"{agent.url}{CD}", auth=(USER, PASSWORD), timeout=5).json()
+    assert shown["Inserted"] is False and shown["Status"]["Health"] == "Warning"
+    wait_for(lambda: "VirtualMediaFailed" in event_reasons(api, namespace), timeout=5, what="the failure's Event")
+
+
+def test_power_on_straight_after_an_insert_boots_with_the_medium(
+        agent: AgentProcess, api: client.ApiClient, namespace: str, images: ImageServer) -> None:
+    with sushy_at(agent.url) as root:
+        system = root.get_system("/redfish/v1/Systems/vm")
+        media = root.get_manager("/redfish/v1/Managers/BMC").virtual_media.get_member(CD)
+        media.insert_media(f"{images.base}/boot.iso")
+        system.reset_system(sushy.ResetType.ON)  # waits for the import (0.3 s on the session's kubesim)
+        wait_for(lambda: running_vmi_uid(api, namespace), timeout=10, what="the boot")
+        volumes = {v["name"]: v for v in (get_vmi(api, namespace) or {})["spec"]["volumes"]}
+        assert "dataVolume" in volumes["cdrom"]
+
+
+def test_a_power_on_during_a_long_import_is_busy_not_a_boot_without_the_medium(tmp_path: Path) -> None:
+    slow = start_sim(tmp_path / "sim", "--import-delay", "30", "--vm-start-delay", "0.2")
+    server = ImageServer(GI)
+    try:
+        api = slow.api()
+        from ..support.cluster import install_bmc_crd
+
+        install_bmc_crd(api)
+        client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="m")))
+        with agent_for_vm(slow, api, "m") as agent:
+            status, _, _ = insert(agent, f"{server.base}/boot.iso")
+            assert status == 202
+            resp = requests.post(f"{agent.url}/redfish/v1/Systems/vm/Actions/ComputerSystem.Reset",
+                                 json={"ResetType": "On"}, auth=(USER, PASSWORD), timeout=10)
+            assert resp.status_code == 503 and resp.headers["Retry-After"] == "5"
+            assert "still being imported" in resp.json()["error"]["message"]
+            result = agent.ipmitool("chassis", "power", "on")
+            assert result.returncode != 0 and "Node busy" in result.stderr + result.stdout
+            assert get_vmi(api, "m") is None  # nothing booted
+    finally:
+        server.close()
+        slow.stop()
+
+
+def test_a_private_ca_image_imports_with_the_configured_bundle(
+        agent: AgentProcess, api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    cert, key = write_serving_certificate(tmp_path)
+    server = ImageServer(GI, tls=(cert, key))
+    try:
+        status, task, _ = insert(agent, f"{server.base}/boot.iso")
+        assert status == 202 and task["TaskState"] == "Exception"
+        assert "not trusted" in task["Messages"][0]["Message"]
+        pem = cert.read_text()
+        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "image-ca"}, "data": {"ca.crt": pem}}
+        assert call(api, "POST", f"/api/v1/namespaces/{namespace}/configmaps", cm).status == 201
+        reply = call(api, "PATCH", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{namespace}/virtualmachinebmcs/vm",
+                     {"spec": {"redfish": {"virtualMedia": {"tls": {"caBundleConfigMapRef": {"name": "image-ca"}}}}}},
+                     content_type="application/merge-patch+json")
+        assert reply.status == 200, reply.body
+
+        def inserted() -> bool:
+            code, current, location = insert(agent, f"{server.base}/boot.iso")
+            return bool(code == 202 and current["TaskState"] != "Exception" and location)
+
+        wait_for(inserted, timeout=10, what="the agent to see the CA bundle")
+        (dv,) = datavolumes(api, namespace)
+        assert dv["spec"]["source"]["http"]["certConfigMap"] == "image-ca"
+        wait_for(lambda: (datavolumes(api, namespace)[0].get("status") or {}).get("phase") == "Succeeded",
+                 timeout=10, what="CDI to import it with the bundle")
+    finally:
+        server.close()
+
+
+def test_a_patch_to_an_unusable_image_keeps_the_medium_that_is_in(
+        agent: AgentProcess, api: client.ApiClient, namespace: str, images: ImageServer) -> None:
+    status, _, location = insert(agent, f"{images.base}/boot.iso")
+    assert status == 202
+    wait_for(lambda: task_of(agent, location)["TaskState"] == "Completed", timeout=10, what="the first medium")
+    etag = requests.get(f"{agent.url}{CD}", auth=(USER, PASSWORD), timeout=5).headers["ETag"]
+    resp = requests.patch(f"{agent.url}{CD}", json={"Image": f"{images.base}/missing.iso"}, auth=(USER, PASSWORD),
+                          headers={"If-Match": etag}, timeout=10)  # OpenShift's BMC check mounts this way
+    assert resp.status_code == 400 and "404" in resp.json()["error"]["message"]
+    shown = requests.get(f"{agent.url}{CD}", auth=(USER, PASSWORD), timeout=5).json()
+    assert shown["Inserted"] is True and shown["Image"].endswith("/boot.iso")
+    assert [dv["spec"]["source"]["http"]["url"] for dv in datavolumes(api, namespace)] == [f"{images.base}/boot.iso"]

@@ -1,0 +1,733 @@
+"""KubeVirtMachine: the Machine backed by a KubeVirt VirtualMachine (DESIGN.md section 3).
+
+Reads come from watch caches of the VM, its VMI and (when there is one) the VirtualMachineBMC; writes are
+virt-api subresource calls and JSON patches guarded by `test` ops, never a read-modify-Update of the whole VM.
+Transient API answers (409 conflicts, 500 "already underway", an unreachable server) are retried with backoff
+within a deadline short enough for IPMI and Redfish to answer in time; past it the caller gets BackendUnavailable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from ...access import audit
+from ..model import (
+    BackendUnavailable,
+    BootEnabled,
+    BootMode,
+    BootOverride,
+    BootTarget,
+    ConsoleUnavailable,
+    Health,
+    ImageUnusable,
+    InvalidRequest,
+    Inventory,
+    Machine,
+    MachineError,
+    MediaState,
+    PowerState,
+    ResetType,
+    SecureBoot,
+    SerialConsole,
+    Unsupported,
+    VirtualMedia,
+)
+from . import bootorder, console, firmware, imagecheck, vmstate
+from .client import KubeClient, KubeError, Unreachable, merge_patched
+from .watch import ObjectWatch
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+KUBEVIRT = "/apis/kubevirt.io/v1"
+SUBRESOURCES = "/apis/subresources.kubevirt.io/v1"
+CDI = "/apis/cdi.kubevirt.io/v1beta1"
+BMC = "/apis/bmc.kubevirt.io/v1beta1"
+JSON_PATCH = "application/json-patch+json"
+MERGE_PATCH = "application/merge-patch+json"
+NO_CDROM = "the VM has no cdrom disk: add an empty cdrom disk to its template to use virtual media"
+SETTLE = 0.3  # seconds a write waits for the watch cache to show it (normally milliseconds)
+STALE_RETRY_AFTER = 2  # Retry-After for a read refused from a stale cache: it serves again within a second of an answer
+
+SUPPORTED_RESETS = (ResetType.ON, ResetType.FORCE_ON, ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN,
+                    ResetType.GRACEFUL_RESTART, ResetType.FORCE_RESTART, ResetType.POWER_CYCLE,
+                    ResetType.PUSH_POWER_BUTTON, ResetType.PAUSE, ResetType.RESUME)
+_ON_STATES = (PowerState.ON, PowerState.PAUSED, PowerState.POWERING_ON)
+# The power actions that boot the VM (a restart in place, VMI reset, keeps the running domain: no new medium).
+_BOOTS = (ResetType.ON, ResetType.FORCE_ON, ResetType.POWER_CYCLE, ResetType.PUSH_POWER_BUTTON,
+          ResetType.FORCE_RESTART, ResetType.GRACEFUL_RESTART)
+
+
+class KubeVirtMachine(Machine):
+    def __init__(self, client: KubeClient, namespace: str, vm: str, vmbmc: str = "", *,
+                 deadline: float = 1.5, media_max_size: int = 64 * 2**30) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.name = vm
+        self.vmbmc = vmbmc
+        self.deadline = deadline
+        self.media_max_size = media_max_size
+        ns = f"/namespaces/{namespace}"
+        self.vm_path = f"{KUBEVIRT}{ns}/virtualmachines/{vm}"
+        self.vmi_path = f"{KUBEVIRT}{ns}/virtualmachineinstances/{vm}"
+        self.bmc_path = f"{BMC}{ns}/virtualmachinebmcs/{vmbmc}"
+        self.vm_watch = ObjectWatch(client, f"{KUBEVIRT}{ns}/virtualmachines", vm,
+                                    on_change=lambda _: self.notify_changed())
+        self.vmi_watch = ObjectWatch(client, f"{KUBEVIRT}{ns}/virtualmachineinstances", vm,
+                                     on_change=self._vmi_changed)
+        self.bmc_watch = ObjectWatch(client, f"{BMC}{ns}/virtualmachinebmcs", vmbmc) if vmbmc else None
+        self._watches = [w for w in (self.vm_watch, self.vmi_watch, self.bmc_watch) if w is not None]
+        # Without a VirtualMachineBMC the boot override record lives in memory only.
+        self._record: Obj | None = None
+        self._lock = threading.RLock()
+        self._reverting = threading.Lock()
+
+    # ---- lifecycle
+
+    def start(self) -> None:
+        for w in self._watches:
+            w.start()
+
+    def stop(self) -> None:
+        for w in self._watches:
+            w.stop()
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(w.wait_synced(max(0.0, deadline - time.monotonic())) for w in self._watches)
+
+    @property
+    def ready(self) -> bool:
+        return all(w.synced for w in self._watches) and self.vm_watch.obj is not None
+
+    # ---- reads (watch caches only)
+
+    def _vm(self) -> Obj:
+        """The VM from the cache, when the caches of the VM, the VMI and the VirtualMachineBMC can be trusted (every
+        read starts here). A cache the API server has not confirmed for STALE_AFTER seconds is not answered from:
+        the client gets busy / 503 and retries, rather than a power state that may be minutes old."""
+        for watch in self._watches:
+            if not watch.fresh:
+                raise BackendUnavailable(watch.staleness() or "the Kubernetes API server is unreachable",
+                                         retry_after=STALE_RETRY_AFTER)
+        vm = self.vm_watch.obj
+        if vm is None:
+            raise BackendUnavailable(f"VirtualMachine {self.namespace}/{self.name} does not exist", retry_after=10)
+        return vm
+
+    def _vmi(self) -> Obj | None:
+        return self.vmi_watch.obj
+
+    def power_state(self) -> PowerState:
+        return vmstate.power_state(self._vm(), self._vmi())
+
+    def health(self) -> Health:
+        return vmstate.health(self._vm())
+
+    def inventory(self) -> Inventory:
+        return vmstate.inventory(self._vm(), self._vmi())
+
+    def running_since(self) -> float | None:
+        vm = self._vm()
+        if vmstate.power_state(vm, self._vmi()) == PowerState.OFF:
+            return None
+        return vmstate.running_since(self._vmi())
+
+    # ---- serial console (IPMI SOL)
+
+    def has_serial_console(self) -> bool:
+        devices = self._vm().get("spec", {}).get("template", {}).get("spec", {}).get("domain", {}).get("devices", {})
+        return devices.get("autoattachSerialConsole") is not False
+
+    def open_console(self, output: Callable[[bytes], None], closed: Callable[[str], None]) -> SerialConsole:
+        path = f"{SUBRESOURCES}/namespaces/{self.namespace}/virtualmachineinstances/{self.name}/console"
+        try:
+            ws = self.client.websocket(path, console.SUBPROTOCOL)
+        except KubeError as exc:
+            raise ConsoleUnavailable(exc.message) from exc
+        except Unreachable as exc:
+            raise ConsoleUnavailable(str(exc)) from exc
+        return console.WebSocketConsole(ws, output, closed, self.name)
+
+    def service_address(self) -> str:
+        bmc = self.bmc_watch.obj if self.bmc_watch is not None else None
+        return str(((bmc or {}).get("status") or {}).get("clusterIP") or "")
+
+    def supported_reset_types(self) -> tuple[ResetType, ...]:
+        return SUPPORTED_RESETS
+
+    def supported_boot_targets(self) -> tuple[BootTarget, ...]:
+        return bootorder.supported_targets(self._vm())
+
+    # ---- writes: plumbing
+
+    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+              ok: Callable[[KubeError], bool] = lambda e: False) -> Any:
+        """One API write, retried on transient answers until the deadline. `ok` accepts an error as success."""
+        give_up = time.monotonic() + self.deadline
+        delay = 0.05
+        while True:
+            try:
+                return self.client.request(method, path, body, content_type=content_type,
+                                           timeout=max(0.2, give_up - time.monotonic()))
+            except KubeError as exc:
+                if ok(exc):
+                    return None
+                transient = exc.status in (429, 500, 503, 504) or (exc.status == 409 and "underway" in exc.message)
+                if not transient:
+                    raise
+                last: Exception = exc
+            except Unreachable as exc:
+                last = exc
+            if time.monotonic() + delay >= give_up:
+                raise BackendUnavailable(f"the Kubernetes API did not accept the request in time: {last}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.4)
+
+    def _subresource(self, kind: str, action: str, body: Obj,
+                     ok: Callable[[KubeError], bool] = lambda e: False) -> None:
+        path = f"{SUBRESOURCES}/namespaces/{self.namespace}/{kind}/{self.name}/{action}"
+        try:
+            self._call("PUT", path, body, ok=ok)
+        except KubeError as exc:
+            raise InvalidRequest(f"KubeVirt refused {action}: {exc.message}") from exc
+
+    def _patch_vm(self, ops: list[Obj]) -> Obj:
+        if not ops:
+            return self._vm()
+        try:
+            result = self._call("PATCH", self.vm_path, ops, content_type=JSON_PATCH)
+        except KubeError as exc:
+            if exc.status == 422 and "test" in exc.message.lower():
+                raise BackendUnavailable("the VM changed while it was being updated; try again", 1) from exc
+            raise InvalidRequest(f"the VM patch was refused: {exc.message}") from exc
+        if not isinstance(result, dict):
+            return self._vm()
+        # Read your own write: the next read (the boot mode, the medium) answers from the cache.
+        self.vm_watch.wait(lambda o: (o or {}).get("spec") == result.get("spec"), SETTLE)
+        return result
+
+    def record_event(self, reason: str, message: str, kind: str = "Normal") -> None:
+        self._event(reason, message, kind)
+
+    def _event(self, reason: str, message: str, kind: str = "Normal") -> None:
+        """A Kubernetes Event on the VirtualMachineBMC (or the VM), for `kubectl describe`; best effort. The event
+        bus (vbmc/machine/events.py) hears it first, without who did it: its consumers have their own audit trail."""
+        self.events.publish(reason, message, kind)
+        if self.vmbmc and self.bmc_watch is not None and self.bmc_watch.obj is not None:
+            target = self.bmc_watch.obj
+        else:
+            target = self.vm_watch.obj or {}
+        meta = target.get("metadata") or {}
+        by = audit.describe()
+        if by:
+            message = f"{message} ({by})"
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta.get('name', self.name)}.{uuid.uuid4().hex[:16]}",
+                         "namespace": self.namespace},
+            "involvedObject": {"apiVersion": target.get("apiVersion", ""), "kind": target.get("kind", ""),
+                               "name": meta.get("name", self.name), "namespace": self.namespace,
+                               "uid": meta.get("uid", "")},
+            "reason": reason, "message": message, "type": kind, "count": 1,
+            "firstTimestamp": stamp, "lastTimestamp": stamp,
+            "source": {"component": "kubevbmc-agent"}, "reportingComponent": "kubevbmc-agent",
+        }
+        try:
+            self.client.request("POST", f"/api/v1/namespaces/{self.namespace}/events", event, timeout=1.0)
+        except (KubeError, Unreachable) as exc:
+            log.warning("could not record event %s: %s", reason, exc)
+
+    def _ensure_manual(self, vm: Obj) -> None:
+        """A BMC leaves power where it put it: take the VM to runStrategy Manual on the first power action.
+
+        `start` on a Halted VM would make it Always, and a guest shutdown would then boot it again.
+        """
+        spec = vm.get("spec") or {}
+        strategy = spec.get("runStrategy")
+        if strategy == "Manual":
+            return
+        if "running" in spec:
+            before = "running: true" if spec["running"] else "running: false"
+            ops = [{"op": "test", "path": "/spec/running", "value": spec["running"]},
+                   {"op": "remove", "path": "/spec/running"},
+                   {"op": "add", "path": "/spec/runStrategy", "value": "Manual"}]
+        else:
+            before = f"runStrategy {strategy or 'unset'}"
+            ops = [{"op": "test", "path": "/spec/runStrategy", "value": strategy},
+                   {"op": "replace" if strategy else "add", "path": "/spec/runStrategy", "value": "Manual"}]
+        self._patch_vm(ops)
+        self._event("RunStrategyManual", f"changed the VM from {before} to runStrategy Manual: a BMC keeps the "
+                                         "power state where its last power command left it")
+        # The change must be in our cache before virt-api judges the next call against it.
+        self.vm_watch.wait(lambda o: ((o or {}).get("spec") or {}).get("runStrategy") == "Manual", 1.0)
+
+    # ---- power
+
+    def reset(self, reset_type: ResetType) -> None:
+        if reset_type not in SUPPORTED_RESETS:
+            raise Unsupported(f"{reset_type} is not supported: KubeVirt has no NMI")
+        if reset_type in _BOOTS:
+            self._wait_for_imports()
+        if self._reset(reset_type):
+            self._event("PowerAction", f"power action {reset_type}")
+
+    def _wait_for_imports(self) -> None:
+        """A boot never starts without an inserted medium: while one is still being imported, wait for it within
+        the deadline, then answer busy (IPMI 0xC0, Redfish 503 with Retry-After) and let the client retry."""
+        deadline = time.monotonic() + self.deadline
+        while True:
+            importing = [m for m in (self.virtual_media(slot) for slot in self.media_slots())
+                         if m.state == MediaState.INSERTING]
+            if not importing:
+                return
+            if time.monotonic() >= deadline:
+                medium = importing[0]
+                done = f" ({medium.progress}% done)" if medium.progress is not None else ""
+                raise BackendUnavailable(f"the virtual medium in {medium.slot} is still being imported{done}: the "
+                                         "machine powers on once it is in", retry_after=5)
+            time.sleep(0.1)
+
+    def _reset(self, reset_type: ResetType) -> bool:
+        """The power action; False when the VM already was where it asked for (nothing was done)."""
+        with self._lock:
+            vm = self._vm()
+            state = vmstate.power_state(vm, self._vmi())
+            on = state in _ON_STATES
+            if reset_type in (ResetType.PAUSE, ResetType.RESUME):
+                action = "pause" if reset_type == ResetType.PAUSE else "unpause"
+                if (reset_type == ResetType.PAUSE) != (state == PowerState.ON) and not (
+                        reset_type == ResetType.RESUME and state == PowerState.PAUSED):
+                    raise InvalidRequest(f"cannot {action} a VM that is {state}")
+                self._subresource("virtualmachineinstances", action, {})
+                return True
+            if reset_type == ResetType.PUSH_POWER_BUTTON:
+                reset_type = ResetType.GRACEFUL_SHUTDOWN if on else ResetType.ON
+            if reset_type in (ResetType.ON, ResetType.FORCE_ON):
+                if on:
+                    return False  # already on: success, no call
+                self._ensure_manual(vm)
+                if state == PowerState.POWERING_OFF:
+                    self._wait_powered_off()
+                self._start()
+                self._settle(lambda power: power != PowerState.OFF)
+            elif reset_type in (ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN):
+                if state == PowerState.OFF:
+                    return False
+                self._ensure_manual(vm)
+                body = {"gracePeriod": 0} if reset_type == ResetType.FORCE_OFF else {}
+                self._subresource("virtualmachines", "stop", body, ok=_not_running)
+                self._settle(lambda power: power not in (PowerState.ON, PowerState.PAUSED))
+            elif reset_type == ResetType.POWER_CYCLE:
+                self._ensure_manual(vm)
+                if on:
+                    self._subresource("virtualmachines", "restart", {"gracePeriodSeconds": 0})
+                else:
+                    self._start()
+            else:  # FORCE_RESTART, GRACEFUL_RESTART
+                if not on:
+                    raise InvalidRequest("the VM is off: power it on instead of restarting it")
+                self._ensure_manual(vm)
+                if self._restart_needed(vm):
+                    # Reset and soft reboot keep the VMI and its domain: only a new VMI boots the new order.
+                    body = {"gracePeriodSeconds": 0} if reset_type == ResetType.FORCE_RESTART else {}
+                    self._subresource("virtualmachines", "restart", body)
+                elif reset_type == ResetType.FORCE_RESTART:
+                    self._subresource("virtualmachineinstances", "reset", {})
+                else:
+                    self._subresource("virtualmachineinstances", "softreboot", {})
+            return True
+
+    def _settle(self, done: Callable[[PowerState], bool], timeout: float = 0.5) -> None:
+        """Let the cache see the effect of our own call, briefly, so that a status read (or the next command)
+        right after a power action does not answer from before it. Not reaching it is not an error."""
+        self.vm_watch.wait(lambda vm: vm is not None and done(vmstate.power_state(vm, self.vmi_watch.obj)), timeout)
+
+    def _wait_powered_off(self) -> None:
+        """Power on while the VM is still shutting down: virt-api would answer "already running" and do nothing,
+        so wait (within the deadline) for the old VMI to finish."""
+        def off(_: Obj | None) -> bool:
+            vm = self.vm_watch.obj or {}
+            return vmstate.power_state(vm, self.vmi_watch.obj) != PowerState.POWERING_OFF
+
+        if not (self.vm_watch.wait(off, self.deadline / 2) and self.vmi_watch.wait(off, self.deadline / 2)):
+            raise BackendUnavailable("the VM is still powering off: try again in a moment", retry_after=2)
+
+    def _start(self) -> None:
+        self._subresource("virtualmachines", "start", {}, ok=lambda e: "already running" in e.message)
+
+    def _restart_needed(self, vm: Obj) -> bool:
+        """A template change (boot order, firmware) waits for a new VMI."""
+        for cond in (vm.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "RestartRequired" and cond.get("status") == "True":
+                return True
+        record = self._boot_record()
+        vmi = self._vmi()
+        vmi_uid = ((vmi or {}).get("metadata") or {}).get("uid", "")
+        return bool(record and record.get("enabled") in ("Once", "Continuous") and record.get("vmiUID") == vmi_uid)
+
+    # ---- boot override
+
+    def _boot_record(self) -> Obj | None:
+        if self.bmc_watch is not None:
+            return _stored_record(self.bmc_watch.obj)
+        return self._record
+
+    def _write_record(self, record: Obj | None) -> None:
+        """Write the boot override record (None removes it) and let the watch cache catch up with it.
+
+        The write is a merge patch, which stores something else than it sends: a null deletes its key, so the
+        devices without a bootOrder in `originalOrder` are absent from the stored record. The cache is compared
+        with what the server stores (its answer), never with the record as sent, which it would never equal.
+        """
+        if self.bmc_watch is None:
+            self._record = record
+            return
+        body = {"status": {"bootOverride": record}}
+        if _stored_record(merge_patched(self.bmc_watch.obj, body)) == self._boot_record():
+            return  # the cache already holds it: nothing to write, nothing to wait for
+        try:
+            stored = self._call("PATCH", f"{self.bmc_path}/status", body, content_type=MERGE_PATCH)
+        except KubeError as exc:
+            raise BackendUnavailable(f"could not record the boot override: {exc.message}") from exc
+        want = _stored_record(stored if isinstance(stored, dict) else merge_patched(self.bmc_watch.obj, body))
+        # Reads (Get System Boot Options, the Redfish System) answer from the cache. Its watch event normally
+        # follows the answer within milliseconds; a lagging watch must not hold the write past the IPMI deadline.
+        self.bmc_watch.wait(lambda o: _stored_record(o) == want, SETTLE)
+
+    def boot_override(self) -> BootOverride:
+        vm = self._vm()
+        mode = vmstate.boot_mode(vmstate.template_spec(vm))
+        record = self._boot_record()
+        if not record or record.get("enabled", "Disabled") == "Disabled":
+            return BootOverride(BootTarget.NONE, BootEnabled.DISABLED, mode)
+        return BootOverride(BootTarget(record.get("target", "None")), BootEnabled(record["enabled"]), mode)
+
+    def set_boot_override(self, override: BootOverride) -> None:
+        with self._lock:
+            vm = self._vm()
+            if override.enabled != BootEnabled.DISABLED and override.target in (BootTarget.BIOS_SETUP,
+                                                                                BootTarget.UEFI_HTTP):
+                raise Unsupported(f"KubeVirt cannot boot a VM into {override.target}")
+            ops = firmware.firmware_ops(vm, firmware.mode_firmware(vm, override.mode))
+            record = self._boot_record()
+            # An originalOrder of only devices without a bootOrder is stored as empty maps: still the original.
+            original = (bootorder.DeviceOrder.from_status(record["originalOrder"] or {})
+                        if record and "originalOrder" in record else bootorder.current_order(vm))
+            if override.enabled == BootEnabled.DISABLED or override.target == BootTarget.NONE:
+                if record:
+                    ops = bootorder.order_patch(vm, original) + _restored_firmware_ops(vm, record, ops)
+                self._patch_vm(ops)
+                if record:
+                    self._write_record(None)
+                    self._event("BootOverrideCleared", "cleared the boot override; restored the original boot order")
+                return
+            order = bootorder.override_order(vm, override.target, original)
+            ops += bootorder.order_patch(vm, order)
+            vmi = self._vmi()
+            new_record = {
+                "target": str(override.target), "enabled": str(override.enabled), "mode": str(override.mode),
+                "vmiUID": ((vmi or {}).get("metadata") or {}).get("uid", "") if vmi else "",
+                "originalOrder": original.as_status(),
+            }
+            # A one-time override that changes the firmware (ipmitool's plain `bootdev pxe` asks for BIOS) changes
+            # it for that boot only: the firmware before it is recorded and restored with the boot order.
+            before = (firmware.Firmware.from_status(record["originalFirmware"])
+                      if record and record.get("originalFirmware") else firmware.Firmware.of(vm))
+            if override.enabled == BootEnabled.ONCE and (ops or (record and record.get("originalFirmware"))):
+                new_record["originalFirmware"] = before.as_status()
+            # Record first: if the VM patch then fails, the record still restores the original order later.
+            self._write_record(new_record)
+            self._patch_vm(ops)
+            self._event("BootOverrideSet", f"boot from {override.target} ({override.enabled}, {override.mode})")
+
+    def _vmi_changed(self, vmi: Obj | None) -> None:
+        """A Once override is consumed by the first VMI that runs after it was set: restore the order."""
+        self.notify_changed()
+        record = self._boot_record()
+        if not record or record.get("enabled") != "Once" or vmi is None:
+            return
+        meta = vmi.get("metadata") or {}
+        if (vmi.get("status") or {}).get("phase") != "Running" or meta.get("uid") == record.get("vmiUID"):
+            return
+        threading.Thread(target=self._revert_once, args=(meta.get("uid"),), daemon=True).start()
+
+    def _revert_once(self, vmi_uid: str) -> None:
+        if not self._reverting.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                record = self._boot_record()
+                if not record or record.get("enabled") != "Once" or record.get("vmiUID") == vmi_uid:
+                    return
+                vm = self._vm()
+                original = bootorder.DeviceOrder.from_status(record.get("originalOrder") or {})
+                self._patch_vm(bootorder.order_patch(vm, original) + _restored_firmware_ops(vm, record, []))
+                self._write_record(None)
+                self._event("BootOverrideConsumed", f"boot once from {record.get('target')} applied to VMI "
+                                                    f"{vmi_uid}; restored the original boot order")
+        except Exception as exc:
+            log.warning("could not restore the boot order after a Once override: %s", exc)
+        finally:
+            self._reverting.release()
+
+    # ---- disks
+
+    def create_disk(self, size_bytes: int) -> str:
+        """A blank disk as KubeVirt adds one: a dataVolumeTemplates entry (virt-controller creates the DataVolume, owned
+        by the VM, at the next start) with a disk and a volume of the same name, all in one patch; the VM gets it at
+        its next boot (RestartRequired while it runs)."""
+        with self._lock:
+            vm = self._vm()
+            spec = vmstate.template_spec(vm)
+            disks, _ = bootorder.devices(vm)
+            taken = {str(d.get("name")) for d in disks} | {str(v.get("name")) for v in spec.get("volumes") or []}
+            name = next(f"disk{n}" for n in range(1, len(taken) + 2) if f"disk{n}" not in taken)
+            dv_name = f"{self.name}-{name}"
+            template = {"metadata": {"name": dv_name}, "spec": {
+                "source": {"blank": {}},
+                "storage": {"resources": {"requests": {"storage": imagecheck.quantity(size_bytes)}}}}}
+            ops: list[Obj] = []
+            for path, value, present in (
+                    ("/spec/dataVolumeTemplates", template, "dataVolumeTemplates" in (vm.get("spec") or {})),
+                    ("/spec/template/spec/domain/devices/disks", {"name": name, "disk": {"bus": "virtio"}},
+                     "disks" in ((spec.get("domain") or {}).get("devices") or {})),
+                    ("/spec/template/spec/volumes", {"name": name, "dataVolume": {"name": dv_name}},
+                     "volumes" in spec)):
+                ops.append({"op": "add", "path": f"{path}/-", "value": value} if present
+                           else {"op": "add", "path": path, "value": [value]})
+            self._patch_vm(ops)
+            self._event("DiskCreated", f"added the blank disk {name} ({imagecheck.quantity(size_bytes)}, DataVolume "
+                                       f"{dv_name}) for the next boot")
+            return name
+
+    # ---- secure boot
+
+    def secure_boot(self) -> SecureBoot:
+        vm = self._vm()
+        spec = vmstate.template_spec(vm)
+        vmi = self._vmi()
+        running = vmi is not None and (vmi.get("status") or {}).get("phase") == "Running"
+        current = vmstate.secure_boot((vmi or {}).get("spec") or {}) if running else None
+        return SecureBoot(vmstate.secure_boot(spec), current, vmstate.boot_mode(spec) == BootMode.UEFI)
+
+    def set_secure_boot(self, enabled: bool) -> None:
+        with self._lock:
+            vm = self._vm()
+            now = firmware.Firmware.of(vm)
+            if now.mode != BootMode.UEFI:
+                raise InvalidRequest("secure boot needs UEFI firmware and the VM boots with BIOS: set the boot "
+                                     "mode to UEFI first")
+            if now.secure_boot == enabled:
+                return
+            spec = vmstate.template_spec(vm)
+            smm = enabled and not firmware.smm_enabled(spec)
+            self._patch_vm(firmware.firmware_ops(vm, firmware.Firmware(BootMode.UEFI, enabled)))
+            if enabled:
+                self._event("SecureBootEnabled", "enabled UEFI secure boot from the next boot on"
+                            + ("; enabled SMM, which KubeVirt requires for it" if smm else ""))
+            else:
+                self._event("SecureBootDisabled", "disabled UEFI secure boot from the next boot on")
+
+    # ---- virtual media
+
+    def _cdrom(self, vm: Obj, slot: str) -> str | None:
+        """The cdrom disk behind a slot: the VM's first; None when it has none."""
+        if slot not in self.media_slots():
+            raise InvalidRequest(f"no virtual media slot {slot!r}")
+        disks, _ = bootorder.devices(vm)
+        return next((str(disk["name"]) for disk in disks if bootorder.is_cdrom(disk)), None)
+
+    def _drive(self, vm: Obj, slot: str) -> str:
+        disk = self._cdrom(vm, slot)
+        if disk is None:
+            raise Unsupported(NO_CDROM)
+        return disk
+
+    def _volume(self, vm: Obj, disk: str) -> tuple[int, Obj] | None:
+        for index, volume in enumerate(vmstate.template_spec(vm).get("volumes") or []):
+            if volume.get("name") == disk:
+                return index, volume
+        return None
+
+    def _dv_name(self, disk: str) -> str:
+        return f"{self.name}-{disk}"
+
+    def virtual_media(self, slot: str = "Cd") -> VirtualMedia:
+        vm = self._vm()
+        disk = self._cdrom(vm, slot)
+        if disk is None:
+            return VirtualMedia(slot, state=MediaState.ABSENT, message=NO_CDROM)
+        found = self._volume(vm, disk)
+        if found is None:
+            return VirtualMedia(slot)
+        volume = found[1]
+        dv_name = (volume.get("dataVolume") or {}).get("name", "")
+        image, state, message, progress = "", MediaState.INSERTED, "", None
+        if dv_name:
+            try:
+                dv = self.client.request("GET", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
+                                         timeout=1.0)
+            except KubeError as exc:
+                dv, state, message = {}, MediaState.FAILED, exc.message
+            except Unreachable as exc:
+                raise BackendUnavailable(str(exc)) from exc
+            image = (((dv.get("spec") or {}).get("source") or {}).get("http") or {}).get("url", "")
+            phase = (dv.get("status") or {}).get("phase", "")
+            if phase == "Failed":
+                state = MediaState.FAILED
+                message = next((c.get("message", "") for c in (dv.get("status") or {}).get("conditions") or []
+                                if c.get("type") == "Running"), "import failed")
+            elif dv and phase != "Succeeded":
+                state = MediaState.INSERTING
+                progress = _percent((dv.get("status") or {}).get("progress"))
+        return VirtualMedia(slot, image, state != MediaState.FAILED, True, state, message, progress)
+
+    def insert_media(self, image: str, slot: str = "Cd", write_protected: bool = True) -> None:
+        if not image.startswith(("http://", "https://")):
+            raise InvalidRequest(f"the image must be an http or https URL: {audit.redact_url(image)!r}")
+        with self._lock:
+            vm = self._vm()
+            disk = self._drive(vm, slot)
+            if self._volume(vm, disk) is not None:
+                raise InvalidRequest("a medium is already inserted: eject it first")
+            options = self._media_options()
+            storage_opts = options.get("storage") or {}
+            ca_map = ((options.get("tls") or {}).get("caBundleConfigMapRef") or {}).get("name", "")
+            info = imagecheck.ImageInfo(self.check_image(image))
+            block = storage_opts.get("volumeMode") == "Block"
+            storage: Obj = {"resources": {"requests": {"storage": imagecheck.quantity(
+                imagecheck.claim_size(info, block))}}}
+            if storage_opts.get("storageClassName"):
+                storage["storageClassName"] = storage_opts["storageClassName"]
+            if storage_opts.get("volumeMode"):
+                storage["volumeMode"] = storage_opts["volumeMode"]
+            http_source: Obj = {"url": image}
+            if ca_map:
+                http_source["certConfigMap"] = ca_map
+            owner = self.bmc_watch.obj if self.bmc_watch is not None and self.bmc_watch.obj else vm
+            dv_name = self._dv_name(disk)
+            dv = {
+                "apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume",
+                "metadata": {"name": dv_name, "namespace": self.namespace,
+                             "labels": {"app.kubernetes.io/managed-by": "kubevbmc"},
+                             "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
+                                                  "name": owner["metadata"]["name"],
+                                                  "uid": owner["metadata"]["uid"]}]},
+                "spec": {"source": {"http": http_source}, "storage": storage},
+            }
+            try:
+                self._call("POST", f"{CDI}/namespaces/{self.namespace}/datavolumes", dv)
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise InvalidRequest(f"could not create the DataVolume: {exc.message}") from exc
+                # A leftover from an interrupted eject: replace it.
+                self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
+                           ok=lambda e: e.status == 404)
+                self._call("POST", f"{CDI}/namespaces/{self.namespace}/datavolumes", dv)
+            volume: Obj = {"name": disk, "dataVolume": {"name": dv_name, "hotpluggable": True}}
+            volumes = vmstate.template_spec(vm).get("volumes")
+            ops: list[Obj] = (
+                [{"op": "add", "path": "/spec/template/spec/volumes", "value": [volume]}] if volumes is None
+                else [{"op": "add", "path": "/spec/template/spec/volumes/-", "value": volume}])
+            self._patch_vm(ops)
+            self._event("VirtualMediaInserted", f"inserted {audit.redact_url(image)} into {disk}")
+            threading.Thread(target=self._follow_import, args=(slot, image), name=f"import-{dv_name}",
+                             daemon=True).start()
+
+    def _follow_import(self, slot: str, image: str, poll: float = 1.0, limit: float = 3600.0) -> None:
+        """While an import runs, and only then: read its state once a second and tell the event bus (and so the
+        Redfish EventService, the IPMI SEL and the VirtualMachineBMC's Events) when it ends. An eject, another
+        image or an hour ends the watch."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            time.sleep(poll)
+            try:
+                media = self.virtual_media(slot)
+            except MachineError:
+                continue  # the API server cannot answer now: ask again
+            if media.image != image or media.state not in (MediaState.INSERTING, MediaState.INSERTED,
+                                                           MediaState.FAILED):
+                return
+            shown = audit.redact_url(image)
+            if media.state == MediaState.INSERTED:
+                self._event("VirtualMediaImported", f"imported {shown} into {slot}")
+                return
+            if media.state == MediaState.FAILED:
+                self._event("VirtualMediaFailed", f"the import of {shown} into {slot} failed: {media.message}",
+                            "Warning")
+                return
+
+    def _media_options(self) -> Obj:
+        bmc = (self.bmc_watch.obj if self.bmc_watch is not None else None) or {}
+        return dict(((bmc.get("spec") or {}).get("redfish") or {}).get("virtualMedia") or {})
+
+    def check_image(self, image: str) -> int | None:
+        """The image as the agent's pod reaches it (imagecheck.py), with the VirtualMachineBMC's CA bundle;
+        ImageUnusable when it cannot be imported; its size when the server states it."""
+        ca_map = ((self._media_options().get("tls") or {}).get("caBundleConfigMapRef") or {}).get("name", "")
+        try:
+            info = imagecheck.check(image, self._ca_bundle(ca_map) if ca_map else "")
+        except imagecheck.ImageProblem as exc:
+            raise ImageUnusable(str(exc)) from None
+        if info.size is not None and info.size > self.media_max_size:
+            raise ImageUnusable(f"the image is {info.size / 2**30:.1f} GiB, more than this BMC imports "
+                                f"({self.media_max_size / 2**30:.0f} GiB, the agent's --media-max-size)")
+        return info.size
+
+    def _ca_bundle(self, name: str) -> str:
+        """The PEM certificates of the ConfigMap the VirtualMachineBMC names (CDI's certConfigMap takes the same)."""
+        try:
+            cm = self.client.request("GET", f"/api/v1/namespaces/{self.namespace}/configmaps/{name}", timeout=1.0)
+        except KubeError as exc:
+            raise ImageUnusable(f"the CA bundle ConfigMap {name} cannot be read: {exc.message}") from None
+        except Unreachable as exc:
+            raise BackendUnavailable(str(exc)) from exc
+        return "\n".join(str(v) for v in ((cm or {}).get("data") or {}).values())
+
+    def eject_media(self, slot: str = "Cd") -> None:
+        with self._lock:
+            vm = self._vm()
+            disk = self._drive(vm, slot)
+            found = self._volume(vm, disk)
+            if found is not None:
+                index = found[0]
+                path = f"/spec/template/spec/volumes/{index}"
+                self._patch_vm([{"op": "test", "path": f"{path}/name", "value": disk},
+                                {"op": "remove", "path": path}])
+            self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{self._dv_name(disk)}",
+                       ok=lambda e: e.status == 404)
+            if found is not None:
+                self._event("VirtualMediaEjected", f"ejected the medium from {disk}")
+
+
+def _restored_firmware_ops(vm: Obj, record: Obj, otherwise: list[Obj]) -> list[Obj]:
+    """The firmware a one-time override recorded as the one before it; `otherwise` when it recorded none."""
+    if not record.get("originalFirmware"):
+        return otherwise
+    return firmware.firmware_ops(vm, firmware.Firmware.from_status(record["originalFirmware"]))
+
+
+def _percent(value: Any) -> int | None:
+    """CDI's progress ("37.50%", "N/A") as a whole percentage; None when it says nothing."""
+    text = str(value or "").rstrip("%")
+    try:
+        return max(0, min(100, int(float(text))))
+    except ValueError:
+        return None
+
+
+def _not_running(exc: KubeError) -> bool:
+    return "not running" in exc.message
+
+
+def _stored_record(bmc: Obj | None) -> Obj | None:
+    """The boot override record in a VirtualMachineBMC, None when there is none."""
+    return ((bmc or {}).get("status") or {}).get("bootOverride") or None

@@ -1,0 +1,189 @@
+"""What a BMC reports about a KubeVirt VM, computed from the VM and VMI objects (pure functions)."""
+
+from __future__ import annotations
+
+import datetime
+import re
+import uuid
+from typing import Any
+
+from ..model import BootMode, Disk, Health, HealthState, Inventory, Nic, PowerState
+
+Obj = dict[str, Any]
+
+# KubeVirt's namespace for firmware UUIDs it derives from the VM name (CalculateLegacyUUID).
+FIRMWARE_UUID_NAMESPACE = uuid.UUID("6a1a24a1-4061-4607-8bf4-a3963d0c5895")
+
+_ON = {"Running", "Migrating"}
+_POWERING_OFF = {"Stopping", "Terminating"}
+_POWERING_ON = {"Starting", "Provisioning", "WaitingForVolumeBinding", "WaitingForReceiver"}
+_OFF = {"Stopped", "CrashLoopBackOff", "DataVolumeError", "ErrorPvcNotFound", ""}
+# Error states in which the VM should run but cannot (yet): powering on, with a Warning.
+_START_ERRORS = {"ErrorUnschedulable", "ErrImagePull", "ImagePullBackOff", "ErrorDataVolumeNotFound", "Unknown"}
+
+
+def _conditions(obj: Obj | None) -> dict[str, Obj]:
+    return {c.get("type", ""): c for c in ((obj or {}).get("status") or {}).get("conditions") or []}
+
+
+def is_paused(vmi: Obj | None) -> bool:
+    return _conditions(vmi).get("Paused", {}).get("status") == "True"
+
+
+def printable_status(vm: Obj) -> str:
+    return str((vm.get("status") or {}).get("printableStatus") or "")
+
+
+def power_state(vm: Obj, vmi: Obj | None) -> PowerState:
+    status = printable_status(vm)
+    if status == "Paused" or (status in _ON and is_paused(vmi)):
+        return PowerState.PAUSED
+    if status in _ON:
+        return PowerState.ON
+    if status in _POWERING_OFF:
+        return PowerState.POWERING_OFF
+    if status in _POWERING_ON or status in _START_ERRORS:
+        return PowerState.POWERING_ON
+    return PowerState.OFF
+
+
+def health(vm: Obj) -> Health:
+    status = printable_status(vm)
+    if status in _START_ERRORS or status in ("CrashLoopBackOff", "DataVolumeError", "ErrorPvcNotFound"):
+        failure = _conditions(vm).get("Failure", {})
+        return Health(HealthState.WARNING, failure.get("message") or f"VM status is {status}")
+    return Health()
+
+
+_QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?|[mk]?)$")
+_FACTORS = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "m": 1}
+
+
+def quantity_bytes(value: Any) -> int:
+    """A Kubernetes quantity ("2Gi", "512M", 1073741824) in bytes; 0 when absent or unreadable."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _QUANTITY.match(str(value or "").strip())
+    if not m:
+        return 0
+    number = float(m.group(1))
+    if m.group(2) == "m":
+        return int(number / 1000)
+    return int(number * _FACTORS[m.group(2)])
+
+
+def template_spec(vm: Obj) -> Obj:
+    return ((vm.get("spec") or {}).get("template") or {}).get("spec") or {}
+
+
+def boot_mode(spec: Obj) -> BootMode:
+    bootloader = ((spec.get("domain") or {}).get("firmware") or {}).get("bootloader") or {}
+    # No bootloader means BIOS, KubeVirt's default.
+    return BootMode.UEFI if "efi" in bootloader else BootMode.LEGACY
+
+
+def secure_boot(spec: Obj) -> bool:
+    efi = (((spec.get("domain") or {}).get("firmware") or {}).get("bootloader") or {}).get("efi")
+    # KubeVirt enables secure boot by default when EFI is used.
+    return isinstance(efi, dict) and efi.get("secureBoot", True) is not False
+
+
+def system_uuid(vm: Obj, vmi: Obj | None) -> str:
+    for spec in ((vmi or {}).get("spec") or {}, template_spec(vm)):
+        value = ((spec.get("domain") or {}).get("firmware") or {}).get("uuid")
+        if value:
+            return str(value)
+    return str(uuid.uuid5(FIRMWARE_UUID_NAMESPACE, str((vm.get("metadata") or {}).get("name") or "")))
+
+
+def inventory(vm: Obj, vmi: Obj | None) -> Inventory:
+    spec = template_spec(vm)
+    domain = spec.get("domain") or {}
+    cpu = domain.get("cpu") or {}
+    memory = quantity_bytes((domain.get("memory") or {}).get("guest")) or quantity_bytes(
+        ((domain.get("resources") or {}).get("requests") or {}).get("memory"))
+    seen_macs = {i.get("name"): i.get("mac") for i in ((vmi or {}).get("status") or {}).get("interfaces") or []}
+    devices = domain.get("devices") or {}
+    nics = tuple(Nic(i["name"], str(i.get("macAddress") or seen_macs.get(i["name"]) or ""))
+                 for i in devices.get("interfaces") or [])
+    sizes = disk_sizes(vm, vmi)
+    disks = tuple(_disk(d, sizes.get(str(d["name"]))) for d in devices.get("disks") or [])
+    meta = vm.get("metadata") or {}
+    firmware = domain.get("firmware") or {}
+    return Inventory(
+        uuid=system_uuid(vm, vmi), name=str(meta.get("name") or ""),
+        serial=str(firmware.get("serial") or meta.get("uid") or ""),
+        cpu_sockets=int(cpu.get("sockets") or 1), cpu_cores=int(cpu.get("cores") or 1),
+        cpu_threads=int(cpu.get("threads") or 1), memory_bytes=memory, nics=nics, disks=disks,
+        firmware=boot_mode(spec), secure_boot=secure_boot(spec),
+        architecture=str(spec.get("architecture") or ((vmi or {}).get("spec") or {}).get("architecture")
+                         or "amd64"),
+        model=model(vm, vmi),
+    )
+
+
+def _disk(disk: Obj, size: int | None) -> Disk:
+    kind = next((k for k in ("cdrom", "disk", "lun") if k in disk), "disk")
+    bus = str((disk.get(kind) or {}).get("bus") or ("sata" if kind == "cdrom" else "virtio"))
+    return Disk(str(disk["name"]), "cdrom" if kind == "cdrom" else "disk", size, bus)
+
+
+def disk_sizes(vm: Obj, vmi: Obj | None) -> dict[str, int]:
+    """volume name -> bytes, where the cluster says: the bound claim's capacity in the running VMI's volumeStatus
+    (persistentVolumeClaimInfo, what virt-controller read from the PVC); else what the VM asks for (its
+    dataVolumeTemplates' storage request, an emptyDisk's capacity, a hostDisk's). A containerDisk has no size
+    anyone states: absent."""
+    spec = template_spec(vm)
+    requested: dict[str, int] = {}
+    for template in (vm.get("spec") or {}).get("dataVolumeTemplates") or []:
+        dv_spec = template.get("spec") or {}
+        claim = dv_spec.get("storage") or dv_spec.get("pvc") or {}
+        size = quantity_bytes(((claim.get("resources") or {}).get("requests") or {}).get("storage"))
+        if size:
+            requested[str((template.get("metadata") or {}).get("name"))] = size
+    sizes: dict[str, int] = {}
+    for volume in spec.get("volumes") or []:
+        name = str(volume.get("name"))
+        source = volume.get("dataVolume") or volume.get("persistentVolumeClaim") or {}
+        claim = str(source.get("name") or source.get("claimName") or "")
+        size = requested.get(claim) or quantity_bytes((volume.get("emptyDisk") or {}).get("capacity")) \
+            or quantity_bytes((volume.get("hostDisk") or {}).get("capacity"))
+        if size:
+            sizes[name] = size
+    for status in ((vmi or {}).get("status") or {}).get("volumeStatus") or []:
+        capacity = quantity_bytes(((status.get("persistentVolumeClaimInfo") or {}).get("capacity") or {})
+                                  .get("storage"))
+        if capacity:
+            sizes[str(status.get("name"))] = capacity
+    return sizes
+
+
+def model(vm: Obj, vmi: Obj | None) -> str:
+    """What a VM honestly is, as a model name: its instancetype, else its machine type (KubeVirt's default q35 on
+    amd64, virt on arm64, s390-ccw-virtio on s390x)."""
+    instancetype = (vm.get("spec") or {}).get("instancetype") or {}
+    if instancetype.get("name"):
+        return str(instancetype["name"])
+    for spec in (template_spec(vm), (vmi or {}).get("spec") or {}):
+        machine_type = ((spec.get("domain") or {}).get("machine") or {}).get("type")
+        if machine_type:
+            return str(machine_type)
+    arch = template_spec(vm).get("architecture") or "amd64"
+    return {"arm64": "virt", "s390x": "s390-ccw-virtio", "ppc64le": "pseries"}.get(str(arch), "q35")
+
+
+def running_since(vmi: Obj | None) -> float | None:
+    """When the VMI started running (its Running phase transition, else its creation), as time.time() seconds."""
+    if not vmi:
+        return None
+    status = vmi.get("status") or {}
+    stamps = [t.get("phaseTransitionTimestamp") for t in status.get("phaseTransitionTimestamps") or []
+              if t.get("phase") == "Running"]
+    stamp = stamps[-1] if stamps else (vmi.get("metadata") or {}).get("creationTimestamp")
+    if not stamp:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None

@@ -1,0 +1,306 @@
+"""The Machine model: one small interface, in BMC terms, that both protocol frontends speak.
+
+IPMI and Redfish translate their requests into these calls and render the answers and the typed errors in
+their own protocol; backends (`KubeVirtMachine`, `MemoryMachine`) implement them. Nothing here knows about IPMI,
+Redfish or KubeVirt.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from .events import POWER_STATE_CHANGED, EventBus
+
+log = logging.getLogger("vbmc.machine")
+
+
+class PowerState(StrEnum):
+    ON = "On"
+    OFF = "Off"
+    POWERING_ON = "PoweringOn"
+    POWERING_OFF = "PoweringOff"
+    PAUSED = "Paused"
+
+
+class ResetType(StrEnum):
+    """Redfish ResetType names; IPMI chassis control maps onto a subset."""
+
+    ON = "On"
+    FORCE_ON = "ForceOn"
+    FORCE_OFF = "ForceOff"
+    GRACEFUL_SHUTDOWN = "GracefulShutdown"
+    GRACEFUL_RESTART = "GracefulRestart"
+    FORCE_RESTART = "ForceRestart"
+    POWER_CYCLE = "PowerCycle"
+    PUSH_POWER_BUTTON = "PushPowerButton"
+    NMI = "Nmi"
+    PAUSE = "Pause"
+    RESUME = "Resume"
+
+
+class BootTarget(StrEnum):
+    NONE = "None"
+    PXE = "Pxe"
+    HDD = "Hdd"
+    CD = "Cd"
+    BIOS_SETUP = "BiosSetup"
+    UEFI_HTTP = "UefiHttp"
+
+
+class BootEnabled(StrEnum):
+    DISABLED = "Disabled"
+    ONCE = "Once"
+    CONTINUOUS = "Continuous"
+
+
+class BootMode(StrEnum):
+    UEFI = "UEFI"
+    LEGACY = "Legacy"
+
+
+class HealthState(StrEnum):
+    OK = "OK"
+    WARNING = "Warning"
+    CRITICAL = "Critical"
+
+
+class MediaState(StrEnum):
+    EJECTED = "Ejected"
+    INSERTING = "Inserting"  # the image is being imported
+    INSERTED = "Inserted"
+    FAILED = "Failed"
+    ABSENT = "Absent"  # the slot has no drive behind it (a VM without a cdrom disk): nothing can be inserted
+
+
+@dataclass(frozen=True)
+class BootOverride:
+    target: BootTarget = BootTarget.NONE
+    enabled: BootEnabled = BootEnabled.DISABLED
+    mode: BootMode = BootMode.UEFI
+
+
+@dataclass(frozen=True)
+class SecureBoot:
+    """UEFI secure boot as a BMC reports it: what the next boot will use, what the running boot used."""
+
+    enabled: bool = False  # the next boot's setting (KubeVirt: the VM template)
+    current: bool | None = None  # the running boot's (KubeVirt: the VMI's spec); None while the machine is off
+    uefi: bool = True  # secure boot exists only under UEFI firmware
+
+
+@dataclass(frozen=True)
+class Health:
+    state: HealthState = HealthState.OK
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class VirtualMedia:
+    slot: str = "Cd"  # later also "Usb"
+    image: str = ""
+    inserted: bool = False
+    write_protected: bool = True
+    state: MediaState = MediaState.EJECTED
+    message: str = ""
+    progress: int | None = None  # percent of the import done, while INSERTING (None: not known)
+
+
+@dataclass(frozen=True)
+class Nic:
+    name: str
+    mac: str
+
+
+@dataclass(frozen=True)
+class Disk:
+    name: str
+    kind: str = "disk"  # disk or cdrom
+    size_bytes: int | None = None  # None: not known (a containerDisk), never a guess
+    bus: str = ""  # virtio, sata, scsi, usb (KubeVirt's disk bus)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    uuid: str
+    name: str
+    serial: str = ""
+    cpu_sockets: int = 1
+    cpu_cores: int = 1
+    cpu_threads: int = 1
+    memory_bytes: int = 0
+    nics: tuple[Nic, ...] = ()
+    disks: tuple[Disk, ...] = ()
+    firmware: BootMode = BootMode.UEFI
+    secure_boot: bool = False
+    architecture: str = "amd64"  # KubeVirt's spec.architecture: amd64, arm64, s390x, ppc64le
+    model: str = ""  # the instancetype, else the machine type (q35)
+
+    @property
+    def cpu_count(self) -> int:
+        return self.cpu_sockets * self.cpu_cores * self.cpu_threads
+
+
+# ---- errors: raised by backends, rendered by each frontend in its protocol
+
+
+class MachineError(Exception):
+    """Base of the typed errors a Machine raises."""
+
+
+class Unsupported(MachineError):
+    """The action exists in the protocol but this machine cannot do it (IPMI 0xCC/0xC1, Redfish 400)."""
+
+
+class InvalidRequest(MachineError):
+    """The request is malformed or not allowed in the current state (IPMI 0xCC/0xD5, Redfish 400/409)."""
+
+
+class ImageUnusable(InvalidRequest):
+    """An image cannot be inserted (not there, too large, its server not trusted); nothing was created."""
+
+
+class BackendUnavailable(MachineError):
+    """The backend cannot answer now (API server unreachable, timeout, conflict): IPMI 0xC0, Redfish 503."""
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ConsoleUnavailable(MachineError):
+    """The serial console cannot be reached now: the machine is not running, or the backend refused it (the reason is
+    the message). IPMI SOL reports it as "character transfer unavailable" and keeps trying."""
+
+
+class SerialConsole(Protocol):
+    """An open serial line to a running machine (Machine.open_console)."""
+
+    def send(self, data: bytes) -> None:
+        """Write to the machine's serial port; raises ConsoleUnavailable when the line has gone away."""
+
+    def close(self) -> None:
+        """Hang up; no callback follows."""
+
+
+class Machine(abc.ABC):
+    """A machine as a BMC sees it. Reads are cheap (from a cache); writes may raise the errors above."""
+
+    @abc.abstractmethod
+    def power_state(self) -> PowerState: ...
+
+    @abc.abstractmethod
+    def health(self) -> Health: ...
+
+    @abc.abstractmethod
+    def reset(self, reset_type: ResetType) -> None:
+        """Perform a power action (raises Unsupported for Nmi and anything not in supported_reset_types)."""
+
+    @abc.abstractmethod
+    def supported_reset_types(self) -> tuple[ResetType, ...]: ...
+
+    @abc.abstractmethod
+    def boot_override(self) -> BootOverride: ...
+
+    @abc.abstractmethod
+    def set_boot_override(self, override: BootOverride) -> None: ...
+
+    @abc.abstractmethod
+    def supported_boot_targets(self) -> tuple[BootTarget, ...]: ...
+
+    @abc.abstractmethod
+    def inventory(self) -> Inventory: ...
+
+    @abc.abstractmethod
+    def virtual_media(self, slot: str = "Cd") -> VirtualMedia:
+        """The medium in a slot; state ABSENT, with the reason as message, when the slot has no drive."""
+
+    @abc.abstractmethod
+    def insert_media(self, image: str, slot: str = "Cd", write_protected: bool = True) -> None:
+        """Insert an image; raises Unsupported when the slot has no drive, InvalidRequest when one is in."""
+
+    @abc.abstractmethod
+    def eject_media(self, slot: str = "Cd") -> None:
+        """Eject the medium (nothing in: nothing to do); raises Unsupported when the slot has no drive."""
+
+    @property
+    def events(self) -> EventBus:
+        """What happened to this machine (vbmc/machine/events.py): the frontends' SEL and EventService follow it."""
+        bus = self.__dict__.get("_event_bus")
+        if bus is None:
+            bus = self.__dict__.setdefault("_event_bus", EventBus())  # setdefault: one bus even when two race
+        return bus
+
+    def record_event(self, reason: str, message: str, kind: str = "Normal") -> None:
+        """Tell the machine's owners (KubeVirt: a Kubernetes Event on the VirtualMachineBMC) and the event bus; best
+        effort, may take up to a second, so callers on a protocol's serving thread hand it to another thread.
+        Default: the bus and a log line."""
+        self.events.publish(reason, message, kind)
+        log.info("event %s %s: %s", kind, reason, message)
+
+    def notify_changed(self, power: PowerState | None = None) -> None:
+        """Backends call this when their view of the machine may have changed (a watch event, a write), with the
+        power state when they know it: publishes PowerStateChanged when it is not the one last seen. Cheap: one
+        read of the cached state."""
+        if power is None:
+            try:
+                power = self.power_state()
+            except MachineError:
+                return  # nothing trustworthy to compare (a stale cache, a VM not there yet)
+        lock = self.__dict__.setdefault("_observed_lock", threading.Lock())
+        with lock:
+            before = self.__dict__.get("_observed_power")
+            self.__dict__["_observed_power"] = power
+        if before is not None and before != power:
+            self.events.publish(POWER_STATE_CHANGED, f"power state changed from {before} to {power}",
+                                **{"from": str(before), "to": str(power)})
+
+    def secure_boot(self) -> SecureBoot:
+        """UEFI secure boot; the default reads the inventory and claims no running boot."""
+        inventory = self.inventory()
+        return SecureBoot(inventory.secure_boot, None, inventory.firmware == BootMode.UEFI)
+
+    def set_secure_boot(self, enabled: bool) -> None:
+        """Enable or disable secure boot from the next boot on; raises InvalidRequest under BIOS firmware."""
+        raise Unsupported("this machine cannot change secure boot")
+
+    def check_image(self, image: str) -> int | None:
+        """Whether `image` can be inserted (raises ImageUnusable with the reason) and its size when known. Default:
+        nothing to check."""
+        return None
+
+    def create_disk(self, size_bytes: int) -> str:
+        """Add a blank disk of `size_bytes` that the machine gets at its next boot (Ironic's RAID interface creates
+        volumes); its name. Default: Unsupported."""
+        raise Unsupported("this machine cannot add disks")
+
+    def media_slots(self) -> tuple[str, ...]:
+        """The virtual media slots the BMC has, like the virtual CD of a physical BMC: present whether or not the
+        machine has a drive behind them (see virtual_media)."""
+        return ("Cd",)
+
+    def running_since(self) -> float | None:
+        """When the running instance of the machine started (time.time() seconds; KubeVirt: the VMI's), None when
+        it is not running or the backend cannot tell. IPMI's power-on-hours counter reads it."""
+        return None
+
+    def has_serial_console(self) -> bool:
+        """Whether the machine has a serial port a console can attach to (KubeVirt: unless the VM sets
+        `autoattachSerialConsole: false`)."""
+        return False
+
+    def open_console(self, output: Callable[[bytes], None], closed: Callable[[str], None]) -> SerialConsole:
+        """Attach to the running machine's serial port. `output` gets what the machine writes and `closed` is called
+        once, with the reason, when the line goes away (the machine stopped or was reset); both from another thread.
+        Raises ConsoleUnavailable when the machine is not running or the backend refuses."""
+        raise Unsupported("this machine has no serial console")
+
+    def service_address(self) -> str:
+        """The address clients reach the BMC at, when the backend knows it (KubeVirt: the VirtualMachineBMC's
+        status.clusterIP); "" otherwise, and the frontend uses the address it listens on."""
+        return ""
