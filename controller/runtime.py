@@ -225,7 +225,10 @@ def run(settings: Settings, kubeconfig: str) -> int:
     target = manager.run_with_leader_election if settings.leader_elect else manager.run_controllers
     main_loop = threading.Thread(target=target, name="controller", daemon=True)
     main_loop.start()
-    manager.stop_event.wait()
+    # With a timeout: a signal the kernel delivers to another thread leaves a main thread blocked on a lock
+    # asleep, and Python runs the handler only once the main thread wakes.
+    while not manager.stop_event.wait(0.5):
+        pass
     log.info("stopping")
     if manager.leading.is_set():
         manager.finished.wait(10)

@@ -103,7 +103,10 @@ def run(args: Any) -> int:
     print(f"server: {cluster.url}", flush=True)
     print("ready", flush=True)
     try:
-        stop.wait()
+        # With a timeout: a signal the kernel delivers to another thread leaves a main thread blocked on a lock
+        # asleep, and Python runs the handler only once the main thread wakes.
+        while not stop.wait(0.5):
+            pass
     finally:
         cluster.stop()
     return 0

@@ -167,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  curl -k -u {USERNAME}:{PASSWORD} {first.get('redfish')}")
         print(f"  KUBECONFIG={cluster.kubeconfig} {Path(sys.executable).parent / 'kubectl'} get vm,vmbmc -A")
         print("ready", flush=True)
-        stop.wait()
+        # With a timeout: a signal the kernel delivers to another thread leaves a main thread blocked on a lock
+        # asleep, and Python runs the handler only once the main thread wakes.
+        while not stop.wait(0.5):
+            pass
         return 0
     except TimeoutError as exc:
         print(f"kubevbmc demo: {exc} (logs in {workdir})", file=sys.stderr)

@@ -22,7 +22,7 @@ from kubernetes import client
 from controller.kubeapi import ApiError
 from controller.leader import LeaderElector, Record, micro_time, record_of, released, to_lead
 
-from ..support.cluster import BMC_CRD, Sim, call, start_sim, wait_for
+from ..support.cluster import BMC_CRD, Sim, call, signal_other_thread, start_sim, wait_for
 from ..support.controllers import ControllerProcess, apply_bmc, is_ready, make_secret
 from ..support.vms import make_vm
 
@@ -305,3 +305,18 @@ def test_a_crd_applied_just_after_the_controller_started_is_waited_for(bare_sim:
     finally:
         assert controller.stop() == 0
 
+
+def test_sigterm_delivered_to_any_thread_stops_the_controller(sim: Sim, bmc_crd: None, tmp_path: Path) -> None:
+    """The kernel hands a process's SIGTERM to any of its threads; a main thread asleep on a lock never saw one
+    that went to a worker, and the controller outlived the kubelet's grace period (one stop in ten, in CI)."""
+    import signal
+
+    controller = ControllerProcess(sim.kubeconfig, tmp_path / "controller.log", "--lease-name", "any-thread")
+    try:
+        wait_for(lambda: controller.metric("kubevbmc_controller_leader") == 1 and controller.get("/readyz")[0] == 200,
+                 timeout=30, what="the controller to lead with synced caches")
+        signal_other_thread(controller.proc.pid, signal.SIGTERM)
+        assert controller.proc.wait(timeout=10) == 0
+        assert "stopping" in controller.log_path.read_text()
+    finally:
+        controller.stop()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kubernetes import client, watch
 
-from ..support.cluster import Reply, Sim, call, start_sim, wait_for
+from ..support.cluster import Reply, Sim, call, signal_other_thread, start_sim, wait_for
 
 VM_PATH = "/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachines"
 
@@ -635,3 +635,14 @@ def test_header_names_are_case_insensitive_and_connection_close_is_honoured(sim:
     assert head.startswith(b"HTTP/1.1 200 ")  # authorised: the lower-case Authorization header was read
     assert json.loads(body)["metadata"]["name"] == "default"  # and the server closed after one answer
 
+
+def test_sigterm_delivered_to_any_thread_stops_kubesim(tmp_path: Path) -> None:
+    """The kernel hands a process's SIGTERM to any of its threads: kubesim stops whichever thread gets it."""
+    import signal
+
+    own = start_sim(tmp_path / "sim")
+    try:
+        signal_other_thread(own.process.pid, signal.SIGTERM)
+        assert own.process.wait(timeout=10) == 0
+    finally:
+        own.stop()

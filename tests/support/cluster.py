@@ -185,3 +185,17 @@ def install_bmc_crd(api: client.ApiClient) -> None:
     assert reply.status in (201, 409), reply.body
     wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")
 
+
+def signal_other_thread(pid: int, signum: int) -> int:
+    """Send `signum` to one thread of process `pid` that is not its main thread (tgkill), as the kernel may deliver a
+    process-directed signal such as the kubelet's SIGTERM to any thread. Returns that thread's id."""
+    import ctypes
+    import platform
+
+    threads = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert threads, f"process {pid} has no thread besides its main thread"
+    number = {"x86_64": 234, "aarch64": 131}[platform.machine()]  # SYS_tgkill
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, pid, threads[-1], signum) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill failed")
+    return threads[-1]
