@@ -306,12 +306,14 @@ def test_a_crd_applied_just_after_the_controller_started_is_waited_for(bare_sim:
         assert controller.stop() == 0
 
 
-def test_sigterm_delivered_to_any_thread_stops_the_controller(sim: Sim, bmc_crd: None, tmp_path: Path) -> None:
+def test_sigterm_delivered_to_any_thread_stops_the_controller(sim: Sim, bmc_crd: None, namespace: str,
+                                                              tmp_path: Path) -> None:
     """The kernel hands a process's SIGTERM to any of its threads; a main thread asleep on a lock never saw one
     that went to a worker, and the controller outlived the kubelet's grace period (one stop in ten, in CI)."""
     import signal
 
-    controller = ControllerProcess(sim.kubeconfig, tmp_path / "controller.log", "--lease-name", "any-thread")
+    controller = ControllerProcess(sim.kubeconfig, tmp_path / "controller.log", "--namespace", namespace,
+                                   "--lease-namespace", namespace, "--lease-name", "any-thread")
     try:
         wait_for(lambda: controller.metric("kubevbmc_controller_leader") == 1 and controller.get("/readyz")[0] == 200,
                  timeout=30, what="the controller to lead with synced caches")
