@@ -251,7 +251,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_args["DEBIAN_SNAPSHOT"] = os.environ["DEBIAN_SNAPSHOT"]
     log(f"building {', '.join(tags)} with {tool} (SOURCE_DATE_EPOCH={epoch})")
     builder.build(tags, build_args, epoch)
-    log(f"built {', '.join(tags)}" + ("" if tool == "docker" else f" in {podman.storage}"))
+    if tool != "docker":  # what earlier builds left (their layers stay a day, as a cache for the next ones)
+        podman.call("image", "prune", "--force", "--filter", "until=24h", timeout=300)
+    # Built is not enough: the tests run it. A machine whose runtime refuses containers says so here.
+    if tool != "docker":
+        ran = podman.call("run", "--rm", "--network", "host", *podman.limits, tags[0], "--help", timeout=120)
+        if ran.returncode != 0:
+            raise SystemExit(f"image: built {tags[0]}, but containers cannot run here: {ran.stderr.strip()[-800:]}")
+    log(f"built {', '.join(tags)}" + ("" if tool == "docker" else f" in {podman.storage}, and it runs"))
     return 0
 
 
