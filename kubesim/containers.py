@@ -87,8 +87,8 @@ class RunSpec:
 
 def run_argv(spec: RunSpec, limits: Sequence[str] = ()) -> list[str]:
     """`podman run` arguments (after the global ones) for one container, attached and removed when it exits."""
-    argv = ["run", "--rm", "--pull", "never", "--name", spec.name, "--network", "host", "--hostname", spec.hostname,
-            "--log-driver", "none", *limits]
+    argv = ["run", "--rm", "--replace", "--pull", "never", "--name", spec.name, "--network", "host",
+            "--hostname", spec.hostname, "--log-driver", "none", *limits]
     # podman's own additions to the environment, which a CRI runtime does not make (the image's ENV stays).
     argv += ["--unsetenv", "TERM", "--unsetenv", "container"]
     for key, value in sorted(spec.labels.items()):
@@ -152,6 +152,8 @@ class Podman:
         for tool in ("podman", "runc"):
             if shutil.which(tool) is None:
                 return f"{tool} is not installed (Debian: apt-get install podman runc)"
+        if os.geteuid() != 0:
+            return "podman runs as root here (rootless podman cannot give a container the pod's users and volumes)"
         try:
             done = self.call("info", "--format", "{{.Store.GraphDriverName}}", timeout=30)
         except (OSError, subprocess.TimeoutExpired) as exc:

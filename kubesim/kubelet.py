@@ -833,12 +833,15 @@ class Kubelet(ControlLoop):
         declared = {m.get("mountPath") for m in spec.get("volumeMounts") or []}
         if pod["spec"].get("automountServiceAccountToken", True) and SERVICE_ACCOUNT_DIR not in declared:
             mounts.append(Mount(rt.sa_dir, SERVICE_ACCOUNT_DIR, read_only=True))
+        # Secret, ConfigMap, projected and downward API volumes are always mounted read-only (ReadOnlyAPIDataVolumes).
+        api_data = {v.get("name") for v in pod["spec"].get("volumes") or []
+                    if {"secret", "configMap", "projected", "downwardAPI"} & set(v)}
         for m in spec.get("volumeMounts") or []:
             source = rt.volumes.get(m.get("name", ""))
             if source and m.get("mountPath"):
                 sub = m.get("subPath")
                 mounts.append(Mount(os.path.join(source, sub) if sub else source, m["mountPath"],
-                                    bool(m.get("readOnly"))))
+                                    bool(m.get("readOnly")) or m.get("name") in api_data))
         lookup = env.get
         command = [expand(str(a), lookup) for a in spec.get("command") or []]
         name = f"k8s_{c.name}_{meta['name']}_{meta.get('namespace', '')}_{meta['uid']}_{attempt}"

@@ -163,8 +163,10 @@ class Builder:
             run(self.argv("import", "--quiet" if self.tool == "podman" else "-q", *changes, str(tarball), image),
                 stdout=subprocess.DEVNULL)
 
-    def build(self, tags: Sequence[str], build_args: dict[str, str], epoch: str) -> None:
+    def build(self, tags: Sequence[str], build_args: dict[str, str], epoch: str, cache: bool = True) -> None:
         args = [arg for key, value in build_args.items() for arg in ("--build-arg", f"{key}={value}")]
+        if not cache:
+            args.append("--no-cache")
         args += [arg for tag in tags for arg in ("--tag", tag)]
         if self.tool == "docker":
             run(["docker", "build", "--network", "host", *args, str(REPO)])
@@ -224,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base", choices=("auto", "pull", "debian"), default="auto",
                         help="where the base comes from: a registry if one answers (auto), only a registry, or "
                              "only Debian's packages")
+    parser.add_argument("--check-reproducible", action="store_true",
+                        help="then build it twice more without any cache and check that both are the same image "
+                             "(podman or buildah; a few minutes)")
     args = parser.parse_args(argv)
     tags = args.tag or list(DEFAULT_TAGS)
 
@@ -259,6 +264,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ran.returncode != 0:
             raise SystemExit(f"image: built {tags[0]}, but containers cannot run here: {ran.stderr.strip()[-800:]}")
     log(f"built {', '.join(tags)}" + ("" if tool == "docker" else f" in {podman.storage}, and it runs"))
+    if args.check_reproducible and tool != "docker":
+        return check_reproducible(builder, tags[0], build_args, epoch)
+    return 0
+
+
+def check_reproducible(builder: Builder, tag: str, build_args: dict[str, str], epoch: str) -> int:
+    """Two builds from nothing but the base: the same inputs must give the same image ID. (A build from the layer
+    cache may differ: layers cached by a build at another commit keep that build's file timestamps.)"""
+    def image_id(ref: str) -> str:
+        return builder.podman.call("image", "inspect", "--format", "{{.Id}}", ref).stdout.strip()
+
+    ids: dict[str, str] = {}
+    for attempt in ("again-1", "again-2"):
+        ref = f"{tag.rsplit(':', 1)[0]}:{attempt}"
+        builder.build([ref], build_args, epoch, cache=False)
+        ids[ref] = image_id(ref)
+        builder.podman.call("untag", ref)
+    for ref, found in ids.items():
+        log(f"{ref}: {found}")
+    if len(set(ids.values())) != 1:
+        log("not reproducible: the same inputs gave different images")
+        return 1
+    log("reproducible: two builds from scratch, one image")
     return 0
 
 

@@ -223,3 +223,32 @@ def test_no_container_is_left_when_kubesim_stops(kubevbmc_image: str, tmp_path: 
         assert sim.stop() == 0
     left = podman().call("ps", "--all", "--filter", f"label=io.kubesim.pid={pid}", "--format", "{{.Names}}")
     assert left.returncode == 0 and left.stdout.strip() == "", left.stdout
+
+
+def test_containers_a_killed_kubesim_left_behind_are_removed_by_the_next_one(kubevbmc_image: str,
+                                                                             tmp_path: Path) -> None:
+    first = start_container_sim(tmp_path / "killed")
+    try:
+        create_namespace(first, "brief")
+        reply = call(first.api(), "POST", "/api/v1/namespaces/brief/pods", {
+            "metadata": {"name": "sleeper"}, "spec": {"containers": [
+                {"name": "main", "image": IMAGE, "imagePullPolicy": "Never",
+                 "command": ["/opt/kubevbmc/bin/python", "-c", "import time; time.sleep(600)"]}]}})
+        assert reply.status == 201, reply.body
+        wait_for(lambda: running_pods(first, "brief"), timeout=60, what="the pod to run")
+    finally:
+        first.process.kill()  # no chance to stop its containers
+        first.process.wait(timeout=30)
+
+    def left() -> list[str]:
+        found = podman().call("ps", "--all", "--filter", f"label=io.kubesim.pid={first.process.pid}", "--format",
+                              "{{.Names}}")
+        assert found.returncode == 0, found.stderr
+        return found.stdout.split()
+
+    assert len(left()) == 1, "the container outlived its kubesim"
+    second = start_container_sim(tmp_path / "next")
+    try:
+        assert left() == []
+    finally:
+        second.stop()

@@ -349,14 +349,15 @@ def test_the_wheel_declares_the_console_script_and_pinned_runtime_dependencies(w
 # ---- the entry point, with only the runtime dependencies importable (what the image holds)
 
 
-def _closure(requirements: list[str]) -> set[str]:
-    """Installed distributions these requirements pull in (their own extras' requirements excluded)."""
+def _closure(requirements: list[str], leave_out: frozenset[str] = frozenset()) -> set[str]:
+    """Installed distributions these requirements pull in (their own extras' requirements excluded), without
+    `leave_out` and what only they pull in."""
     seen: set[str] = set()
     todo = [Requirement(r) for r in requirements]
     while todo:
         req = todo.pop()
         name = canonicalize_name(req.name)
-        if name in seen:
+        if name in seen or name in leave_out:
             continue
         try:
             dist = metadata.distribution(req.name)
@@ -370,13 +371,32 @@ def _closure(requirements: list[str]) -> set[str]:
     return seen
 
 
+# The asyncio client the kubernetes package carries, and what it requires for it alone: the builder removes them.
+ASYNC_CLIENT = frozenset({"aiohttp", "aiohttp-retry"})
+
+
+def image_distributions() -> set[str]:
+    """The runtime closure as the image holds it: without the asyncio client's requirements."""
+    return _closure(PROJECT["dependencies"], ASYNC_CLIENT)
+
+
 def extras_only_modules() -> list[str]:
-    """Top-level modules that only the sim, test and bench extras bring: absent from the image."""
-    runtime = _closure(PROJECT["dependencies"])
+    """Top-level modules that only the sim, test and bench extras (or the removed asyncio client) bring: absent from
+    the image; and the asyncio client's package, kubernetes.aio."""
+    runtime = image_distributions()
     extras = _closure([r for group in PROJECT["optional-dependencies"].values() for r in group]) - runtime
-    assert {"cel-python", "pytest", "sushy"} <= extras
-    return sorted(module for module, dists in metadata.packages_distributions().items()
-                  if all(canonicalize_name(d) in extras for d in dists) and module.isidentifier())
+    extras |= _closure(PROJECT["dependencies"]) - runtime
+    assert {"cel-python", "pytest", "sushy", "aiohttp"} <= extras
+    return [*sorted(module for module, dists in metadata.packages_distributions().items()
+                    if all(canonicalize_name(d) in extras for d in dists) and module.isidentifier()),
+            "kubernetes.aio"]
+
+
+def test_the_builder_removes_the_asyncio_client_and_exactly_what_only_it_needs() -> None:
+    [removal] = [r for r in BUILDER.all("RUN") if "kubernetes/aio" in r]
+    uninstall = shlex.split(removal.split("&&")[1])
+    names = {canonicalize_name(w) for w in uninstall[uninstall.index("uninstall") + 1:] if not w.startswith("-")}
+    assert names == _closure(PROJECT["dependencies"]) - image_distributions()
 
 
 # Runs `kubevbmc` (vbmc.cli:main, the console script) with every extras-only module refused at import.
@@ -385,7 +405,7 @@ import importlib.abc, sys
 blocked = set(sys.argv.pop(1).split(","))
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.partition(".")[0] in blocked:
+        if any(name == b or name.startswith(b + ".") or name.partition(".")[0] == b for b in blocked):
             raise ModuleNotFoundError(f"No module named {name!r} (not in the image)", name=name)
         return None
 sys.meta_path.insert(0, Refuse())
@@ -564,7 +584,7 @@ def test_the_image_lists_its_packages_pinned_as_constraints_txt_pins_them(kubevb
     assert installed.pop("kubevbmc") == PROJECT["version"]
     assert "pip" not in installed and "setuptools" not in installed, "nothing in the image installs at run time"
     assert {name: pins.get(name) for name in installed} == installed, "every package at constraints.txt's pin"
-    assert {canonicalize_name(Requirement(d).name) for d in PROJECT["dependencies"]} <= set(installed)
+    assert set(installed) == image_distributions(), "the runtime dependencies, without the asyncio client's"
     assert not {"cel-python", "pytest", "sushy"} & set(installed), "no extras"
     debian = dict(line.split("=", 1) for line in debian_part.splitlines() if line)
     assert {"python3", "python3.11", "ca-certificates", "libc6"} <= set(debian)
