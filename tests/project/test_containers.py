@@ -228,6 +228,14 @@ def test_no_container_is_left_when_kubesim_stops(kubevbmc_image: str, tmp_path: 
 def test_containers_a_killed_kubesim_left_behind_are_removed_by_the_next_one(kubevbmc_image: str,
                                                                              tmp_path: Path) -> None:
     first = start_container_sim(tmp_path / "killed")
+
+    def left(state: str = "") -> list[str]:
+        status = ["--filter", f"status={state}"] if state else []
+        found = podman().call("ps", "--all", "--filter", f"label=io.kubesim.pid={first.process.pid}", *status,
+                              "--format", "{{.Names}}")
+        assert found.returncode == 0, found.stderr
+        return found.stdout.split()
+
     try:
         create_namespace(first, "brief")
         reply = call(first.api(), "POST", "/api/v1/namespaces/brief/pods", {
@@ -235,18 +243,12 @@ def test_containers_a_killed_kubesim_left_behind_are_removed_by_the_next_one(kub
                 {"name": "main", "image": IMAGE, "imagePullPolicy": "Never",
                  "command": ["/opt/kubevbmc/bin/python", "-c", "import time; time.sleep(600)"]}]}})
         assert reply.status == 201, reply.body
-        wait_for(lambda: running_pods(first, "brief"), timeout=60, what="the pod to run")
+        wait_for(lambda: len(left("running")) == 1, timeout=60, what="the pod's container to run")
     finally:
         first.process.kill()  # no chance to stop its containers
         first.process.wait(timeout=30)
 
-    def left() -> list[str]:
-        found = podman().call("ps", "--all", "--filter", f"label=io.kubesim.pid={first.process.pid}", "--format",
-                              "{{.Names}}")
-        assert found.returncode == 0, found.stderr
-        return found.stdout.split()
-
-    assert len(left()) == 1, "the container outlived its kubesim"
+    assert len(left("running")) == 1, "the container outlived its kubesim"
     second = start_container_sim(tmp_path / "next")
     try:
         assert left() == []
