@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv clients test lint unit demo sim bench clean
+.PHONY: venv clients image test lint unit demo sim bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,9 +17,15 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# The IPMI clients the tests drive (ipmitool, freeipmi-tools): apt-get installs them when missing (sudo if not root).
+# The tools the tests drive (ipmitool, freeipmi-tools, podman, runc, mmdebstrap, promtool): apt-get installs them
+# when missing (sudo if not root).
 clients:
 	scripts/install-clients.sh
+
+# The container image, from the Dockerfile, into the storage kubesim's container kubelet runs it from (podman or
+# buildah, else Docker; a base made from Debian's packages where no registry answers): scripts/image.py.
+image: venv
+	$(BIN)/python scripts/image.py
 
 unit: venv clients
 	$(BIN)/pytest -q
@@ -49,3 +55,4 @@ bench: $(VENV)/.bench-installed
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf .containers

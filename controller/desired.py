@@ -303,7 +303,9 @@ def _agent_deployment(meta: Obj, match: dict[str, str], pod_labels: dict[str, st
         "template": {"metadata": {"labels": pod_labels, "annotations": {
             **annotations, rollout.REVISION: rollout.revision(settings)}}, "spec": {
             "serviceAccountName": service_account, "automountServiceAccountToken": True,
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+            # fsGroup: the kubelet writes Secret volumes as root with their defaultMode; only with an fsGroup does it
+            # give them the pod's group (and group read), so that user 65532 can read the TLS key at 0440.
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
             **({"imagePullSecrets": pull_secrets} if pull_secrets else {}),
             "containers": [container],

@@ -29,7 +29,7 @@ from .workqueue import WorkQueue
 log = logging.getLogger("controller")
 
 CRD_NAME = f"{BMCS.plural}.{BMCS.group}"
-CRD_FILE = "charts/kubevbmc/crds/bmc.kubevirt.io_virtualmachinebmcs.yaml"
+CRD_FILE = "controller/crds/bmc.kubevirt.io_virtualmachinebmcs.yaml"
 MISSING_CRD = f"CustomResourceDefinition {CRD_NAME} not found: kubectl apply -f {CRD_FILE}"
 CRD_WAIT_SECONDS = 10.0
 

@@ -21,9 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address of the API server (port 0 picks a free one; default %(default)s)")
     parser.add_argument("--kubeconfig", default="", metavar="PATH",
                         help="where to write the kubeconfig (default: a new temporary directory)")
-    parser.add_argument("--kubelet", choices=("process", "fake"), default="process",
-                        help="process: run the project's image as local processes; fake: mark pods Running "
+    parser.add_argument("--kubelet", choices=("process", "container", "fake"), default="process",
+                        help="process: run the project's image as local processes; container: run every pod's "
+                             "images with podman (`make image` builds the project's); fake: mark pods Running "
                              "and Ready without running anything (scale tests)")
+    parser.add_argument("--container-storage", default="", metavar="DIR",
+                        help="with --kubelet container: the images' and containers' storage (default "
+                             "$KUBEVBMC_CONTAINERS, else .containers in the current directory)")
     parser.add_argument("--vm-start-delay", type=float, default=1.0, metavar="SECONDS")
     parser.add_argument("--vm-stop-delay", type=float, default=2.0, metavar="SECONDS")
     parser.add_argument("--import-delay", type=float, default=1.0, metavar="SECONDS")
@@ -57,6 +61,7 @@ def config_from(args: Any) -> SimConfig:
                      history_size=args.history, log_dir=args.log_dir, bookmark_interval=args.bookmark_interval,
                      pod_cidr=args.pod_cidr, service_cidr=args.service_cidr,
                      load_balancer_cidr=args.load_balancer_cidr, token_ttl=args.token_ttl,
+                     container_storage=args.container_storage,
                      local_entrypoint=[sys.executable, "-m", "vbmc"])
 
 

@@ -47,8 +47,11 @@ class SimConfig:
     vm_start_delay: float = 1.0
     vm_stop_delay: float = 2.0
     import_delay: float = 1.0
-    # kubelet: "process" runs the project's image as local processes; "fake" marks pods Running and Ready.
+    # kubelet: "process" runs the project's image as local processes; "container" runs every image with podman
+    # (kubelet.py, containers.py); "fake" marks pods Running and Ready.
     kubelet_mode: str = "process"
+    # Container mode: the directory of the node's images and containers (default: containers.default_storage()).
+    container_storage: str = ""
     # Images the kubelet runs as local processes (a regular expression on the image reference).
     local_image: str = r"(^|/)kubevbmc(:[^/]*)?(@.*)?$"
     # The command that stands for the image's entrypoint (`kubevbmc`), e.g. [sys.executable, "-m", "vbmc"].

@@ -6,7 +6,17 @@ processes, each in its own session and process group, on the pod's IP from `conf
 cannot be pulled: the container waits with ErrImagePull / ImagePullBackOff. Mode "fake" (like kwok): every pod
 is Running and Ready at once with an IP and nothing runs.
 
-What a local process cannot have, and how it is stood in for:
+Mode "container": every container runs from its image with podman and runc (containers.py), as a kubelet runs it
+through the CRI: the image's entry point with the container's command and args, the effective user and groups of
+the security contexts (runAsNonRoot verified against the image's USER), a read-only root filesystem, dropped
+capabilities and no privilege escalation when asked, the pod's volumes bind-mounted at their mountPaths with the
+kubelet's file modes and owners (fsGroup, the projected token's owner), the ServiceAccount token at
+/var/run/secrets/kubernetes.io/serviceaccount (rotated in place) and in-cluster KUBERNETES_SERVICE_HOST/PORT, and
+nothing of the host's environment. The pod shares the host's network (its processes bind the Pod IP, as in process
+mode), so probes, Services and clients reach it the same way. The image must be in the node's storage
+(imagePullPolicy Always, or an absent image, tries a pull; no registry answers here: ErrImagePull).
+
+What a local process cannot have (process mode), and how it is stood in for:
 - no mount namespace: secret, configMap, emptyDir and hostPath volumes are directories on the host, and the
   volumeMount's mountPath prefix is rewritten to that directory in command, args, env values, workingDir and
   exec probes. A program that builds a mounted path some other way will not find the file (known limitation).
@@ -45,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors
+from .containers import POD_LABEL, SIM_PID_LABEL, Mount, Podman, RunSpec
 from .cpu import unpinned
 from .loop import ControlLoop, status_only
 from .network import network_of
@@ -238,6 +249,70 @@ def next_backoff(current: float) -> float:
     return BACKOFF_START if current <= 0 else min(BACKOFF_CAP, current * 2)
 
 
+# ---- security contexts and volume files (container mode)
+
+_POD_LEVEL = ("runAsUser", "runAsGroup", "runAsNonRoot", "seccompProfile", "seLinuxOptions")
+
+
+def effective_security(pod: Obj, container: Obj) -> Obj:
+    """The container's securityContext over the pod's (securitycontext.DetermineEffectiveSecurityContext)."""
+    pod_context = (pod.get("spec") or {}).get("securityContext") or {}
+    merged = {k: pod_context[k] for k in _POD_LEVEL if k in pod_context}
+    merged.update(container.get("securityContext") or {})
+    return merged
+
+
+def non_root_problem(security: Obj, image_user: str, pod: Obj, container: str) -> str | None:
+    """The kubelet's verifyRunAsNonRoot (pkg/kubelet/kuberuntime/security_context_others.go), with its messages:
+    runAsNonRoot holds only for a non-zero numeric uid, from runAsUser or else from the image's USER."""
+    if not security.get("runAsNonRoot"):
+        return None
+    meta = pod.get("metadata") or {}
+    pod_ref = f'{meta.get("name", "")}_{meta.get("namespace", "")}({meta.get("uid", "")})'
+    where = f'(pod: "{pod_ref}", container: {container})'
+    if security.get("runAsUser") is not None:
+        return f"container's runAsUser breaks non-root policy {where}" if int(security["runAsUser"]) == 0 else None
+    user = image_user.partition(":")[0]
+    if user and not user.isdigit():
+        return f"container has runAsNonRoot and image has non-numeric user ({user}), cannot verify user is non-root " \
+               f"{where}"
+    if not user or int(user) == 0:
+        return f"container has runAsNonRoot and image will run as root {where}"
+    return None
+
+
+def fs_user(pod: Obj) -> int | None:
+    """volumeutil.FsUserFrom: the one runAsUser every container runs with, else None."""
+    users = {effective_security(pod, c).get("runAsUser") for c in (pod.get("spec") or {}).get("containers") or []}
+    only = users.pop() if len(users) == 1 else None
+    return None if only is None else int(only)
+
+
+@dataclass(frozen=True)
+class FileMode:
+    mode: int
+    uid: int = 0
+    gid: int = 0
+
+
+def volume_file(mode: int, fs_group: int | None, read_only: bool = True) -> FileMode:
+    """A file of a secret, configMap or projected volume as the kubelet leaves it: written by root with its mode;
+    with an fsGroup, volume.SetVolumeOwnership gives it that group and adds group read (and write when the volume
+    is not read-only: roMask 0440, rwMask 0660)."""
+    if fs_group is None:
+        return FileMode(mode)
+    return FileMode(mode | (0o440 if read_only else 0o660), 0, fs_group)
+
+
+def token_file(default_mode: int, user: int | None, fs_group: int | None) -> FileMode:
+    """The projected ServiceAccount token (pkg/volume/projected/projected.go): mode 0600 once the pod runs as one
+    user or has an fsGroup, else the volume's defaultMode; owned by that user (the AtomicWriter's FsUser), then
+    given the fsGroup by SetVolumeOwnership (0600 becomes 0640)."""
+    mode = 0o600 if user is not None or fs_group is not None else default_mode
+    owned = volume_file(mode, fs_group)
+    return FileMode(owned.mode, user if user is not None else 0, owned.gid)
+
+
 def probe_port(container: Obj, port: Any) -> int:
     if isinstance(port, int) or (isinstance(port, str) and port.isdigit()):
         return int(port)
@@ -247,9 +322,10 @@ def probe_port(container: Obj, port: Any) -> int:
     raise ValueError(f"no container port named {port!r}")
 
 
-def run_probe(probe: Obj, container: Obj, pod_ip: str, env: dict[str, str],
-              mounts: list[tuple[str, str]]) -> tuple[bool, str]:
-    """One probe attempt: (success, why it failed)."""
+def run_probe(probe: Obj, container: Obj, pod_ip: str, env: dict[str, str], mounts: list[tuple[str, str]],
+              in_container: Callable[[list[str]], list[str]] | None = None) -> tuple[bool, str]:
+    """One probe attempt: (success, why it failed). An exec probe runs as a local process with the container's
+    environment and paths, or through `in_container` (container mode: `podman exec`)."""
     timeout = float(probe.get("timeoutSeconds", 1))
     try:
         if "httpGet" in probe:
@@ -277,9 +353,10 @@ def run_probe(probe: Obj, container: Obj, pod_ip: str, env: dict[str, str],
                                           timeout=timeout):
                 return True, ""
         if "exec" in probe:
-            argv = [rewrite_paths(expand(str(a), env.get), mounts) for a in probe["exec"].get("command") or []]
-            done = subprocess.run(argv, env=env, timeout=timeout, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+            command = [expand(str(a), env.get) for a in probe["exec"].get("command") or []]
+            argv = in_container(command) if in_container else [rewrite_paths(a, mounts) for a in command]
+            done = subprocess.run(argv, env=None if in_container else env, timeout=timeout, check=False,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             return done.returncode == 0, f"command exited with {done.returncode}"
     except (OSError, ValueError, subprocess.TimeoutExpired, http.client.HTTPException) as exc:
         return False, str(exc)
@@ -320,10 +397,21 @@ class Container:
     stopping: bool = False
     runner: threading.Thread | None = None
     fake: bool = False  # fake mode: running without a process
-    log: ContainerLog | None = None  # its output, every run (process mode)
+    log: ContainerLog | None = None  # its output, every run (process and container modes)
+    runtime_name: str = ""  # container mode: the podman container of the current run
+    image_id: str = ""  # container mode: the image it runs, and that image's USER
+    image_user: str = ""
 
     def running(self) -> bool:
         return self.fake or (self.proc is not None and self.terminated is None)
+
+    def container_id(self) -> str:
+        """The current run's ID in pod status (and the key of its output for pods/log)."""
+        if self.fake:
+            return f"fake://{self.name}"
+        if self.runtime_name:
+            return f"podman://{self.runtime_name}"
+        return f"process://{self.proc.pid}" if self.proc is not None else ""
 
 
 @dataclass
@@ -334,27 +422,34 @@ class PodRuntime:
     start_time: str
     containers: dict[str, Container] = field(default_factory=dict)
     env: dict[str, dict[str, str]] = field(default_factory=dict)
-    mounts: list[tuple[str, str]] = field(default_factory=list)
+    mounts: list[tuple[str, str]] = field(default_factory=list)  # process mode: (mountPath, host directory)
+    volumes: dict[str, str] = field(default_factory=dict)  # volume name -> the host directory (or hostPath)
     kill_at: float | None = None  # when terminating: SIGKILL after this
     prepared: bool = False
     # The projected service account token: its user, the files written with it, the token, when to renew it.
     sa_user: str = ""
     sa_dir: str = ""
     sa_files: dict[str, str] = field(default_factory=dict)
+    sa_modes: Callable[[str], FileMode] | None = None  # container mode: their modes and owners
     token: str = ""
     token_refresh_at: float = 0.0
 
 
-def write_atomically(directory: str, files: dict[str, str]) -> None:
+def write_atomically(directory: str, files: dict[str, str], modes: Callable[[str], FileMode] | None = None) -> None:
     """The kubelet's AtomicWriter (pkg/volume/util/atomic_writer.go): the files go into a new timestamped
     directory, the `..data` symlink is renamed over to point at it, and each visible name is a symlink through
     `..data` (made once). A reader sees all the old files or all the new ones, never a half-written token."""
     os.makedirs(directory, exist_ok=True)
     stamp = tempfile.mkdtemp(prefix=time.strftime("..%Y_%m_%d_%H_%M_%S."), dir=directory)
+    os.chmod(stamp, 0o755)  # mkdtemp's 0700 would hide the files from a container's non-root user
     for name, content in files.items():
-        with open(os.path.join(stamp, name), "w", encoding="utf-8") as fh:
+        path = os.path.join(stamp, name)
+        with open(path, "w", encoding="utf-8") as fh:
             fh.write(content)
-        os.chmod(os.path.join(stamp, name), 0o644)
+        owned = modes(name) if modes else FileMode(0o644)
+        os.chmod(path, owned.mode)
+        if modes:
+            os.chown(path, owned.uid, owned.gid)
     data = os.path.join(directory, "..data")
     previous = os.readlink(data) if os.path.islink(data) else None
     link = os.path.join(directory, "..data_tmp")
@@ -368,6 +463,29 @@ def write_atomically(directory: str, files: dict[str, str]) -> None:
             os.symlink(os.path.join("..data", name), visible)
     if previous and previous != os.path.basename(stamp):
         shutil.rmtree(os.path.join(directory, previous), ignore_errors=True)
+
+
+def _podman_environment() -> dict[str, str]:
+    """podman's own environment (the container's is given with --env)."""
+    return {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
+
+
+def _own_volume(directory: str, files: VolumeFiles, pod: Obj, name: str) -> None:
+    """Container mode: a volume's files as the kubelet leaves them for the pod's user (volume_file): an emptyDir
+    is a world-writable directory (emptydir's 0777); with an fsGroup the directory is that group's, setgid."""
+    volume: Obj = next((v for v in pod["spec"].get("volumes") or [] if v.get("name") == name), {})
+    fs_group = (pod["spec"].get("securityContext") or {}).get("fsGroup")
+    empty_dir = "emptyDir" in volume
+    os.chmod(directory, 0o777 if empty_dir else 0o755)
+    if fs_group is not None:
+        os.chown(directory, 0, int(fs_group))
+        mask = 0o660 if empty_dir else 0o440  # SetVolumeOwnership (volume_linux.go): rwMask, roMask; dirs also
+        os.chmod(directory, os.stat(directory).st_mode & 0o7777 | mask | 0o2000 | 0o110)  # setgid and execMask
+    for rel, (_, mode) in files.items():
+        owned = volume_file(mode, None if fs_group is None else int(fs_group), read_only=not empty_dir)
+        path = os.path.join(directory, rel)
+        os.chown(path, owned.uid, owned.gid)
+        os.chmod(path, owned.mode)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -388,11 +506,21 @@ class Kubelet(ControlLoop):
         self.config = cluster.config
         self.net = network_of(cluster)
         self.fake = self.config.kubelet_mode == "fake"
+        self.podman = Podman(self.config.container_storage) if self.config.kubelet_mode == "container" else None
         self.local_image = re.compile(self.config.local_image)
         self.work_dir = tempfile.mkdtemp(prefix="kubesim-kubelet-")
         self.log_dir = self.config.log_dir or os.path.join(self.work_dir, "logs")
         self.pods: dict[tuple[str, str], PodRuntime] = {}
         self._lock = threading.Lock()
+
+    def start(self) -> None:
+        if self.podman is not None:
+            problem = self.podman.problem()
+            if problem:
+                raise RuntimeError(f"kubelet: containers cannot run here: {problem}")
+            # A kubesim that was killed could not stop its containers: they would hold their Pod IPs' ports.
+            self.podman.remove(*self.podman.orphans())
+        super().start()
 
     def keys_for(self, event: Event) -> Iterable[Hashable]:
         if status_only(event):
@@ -468,7 +596,7 @@ class Kubelet(ControlLoop):
     def _rotate(self, rt: PodRuntime, grace: float | None) -> tuple[str, str]:
         ttl = self.config.token_ttl or None
         old, new = rt.token, self.cluster.new_token(rt.sa_user, ttl)
-        write_atomically(rt.sa_dir, {**rt.sa_files, "token": new})
+        write_atomically(rt.sa_dir, {**rt.sa_files, "token": new}, rt.sa_modes)
         rt.token = new
         rt.token_refresh_at = time.monotonic() + 0.8 * ttl if ttl else 0.0
         if grace is not None:
@@ -481,7 +609,7 @@ class Kubelet(ControlLoop):
         for c in rt.containers.values():
             c.stopping = True
             if c.proc is not None and c.proc.poll() is None:
-                _signal_group(c.proc, signal.SIGKILL)
+                self._signal(c, signal.SIGKILL)
         self.net.pod_ips.release(rt.ip, rt.uid)
         if rt.token:
             self.cluster.tokens.expire(rt.token, 0)  # a bound token dies with its pod
@@ -502,13 +630,12 @@ class Kubelet(ControlLoop):
                 rt.kill_at = at + float(grace)
                 for c in alive:
                     c.stopping = True
-                    assert c.proc is not None
-                    _signal_group(c.proc, signal.SIGTERM)
+                    self._signal(c, signal.SIGTERM)
             if at < rt.kill_at:
                 return min(rt.kill_at - at, 1.0)  # the runner threads also wake us when a process exits
             for c in alive:
                 assert c.proc is not None
-                _signal_group(c.proc, signal.SIGKILL)
+                self._signal(c, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     c.proc.wait(timeout=2)
         try:
@@ -531,7 +658,7 @@ class Kubelet(ControlLoop):
             c = rt.containers.setdefault(spec["name"], Container(spec["name"], spec))
             if c.final or c.running():
                 continue
-            if not self.local_image.search(str(spec.get("image", ""))):
+            if self.podman is None and not self.local_image.search(str(spec.get("image", ""))):
                 c.pulls += 1
                 if c.pulls == 1:
                     c.waiting = ("ErrImagePull", f'kubesim runs only images matching "{self.config.local_image}" '
@@ -540,6 +667,9 @@ class Kubelet(ControlLoop):
                 else:
                     c.waiting = ("ImagePullBackOff", f'Back-off pulling image "{spec.get("image")}": kubesim runs '
                                  f'only images matching "{self.config.local_image}"')
+                continue
+            if self.podman is not None and not self._pulled(c, spec):
+                wake.append(max(c.backoff, RETRY_SECONDS))
                 continue
             if c.terminated is not None:
                 code = int(c.terminated.get("exitCode", 0))
@@ -558,6 +688,10 @@ class Kubelet(ControlLoop):
             try:
                 self._prepare(pod, rt)
                 env = self._environment(pod, rt, spec)
+                if self.podman is not None:
+                    problem = non_root_problem(effective_security(pod, spec), c.image_user, pod, c.name)
+                    if problem:
+                        raise ConfigError(problem)
             except ConfigError as exc:
                 c.waiting = ("CreateContainerConfigError", str(exc))
                 wake.append(RETRY_SECONDS)
@@ -571,6 +705,40 @@ class Kubelet(ControlLoop):
                 wake.append(0.05)
         return min(wake) if wake else None
 
+    def _pulled(self, c: Container, spec: Obj) -> bool:
+        """Container mode: is the image in the node's storage? Pulls it first when the policy says so (Always, or
+        IfNotPresent and absent), as the kubelet's image manager does; False leaves the container waiting."""
+        assert self.podman is not None
+        image = str(spec.get("image", ""))
+        policy = spec.get("imagePullPolicy") or "IfNotPresent"  # the API server defaults it (builtin.py)
+        found = self.podman.image(image)
+        if found is None and policy == "Never":
+            c.waiting = ("ErrImageNeverPull", f'Container image "{image}" is not present with pull policy of Never')
+            return False
+        if found is None or (policy == "Always" and not c.image_id):
+            failure = self.podman.pull(image)
+            found = self.podman.image(image) if failure is None else None
+            if found is None:
+                c.pulls += 1
+                c.backoff = next_backoff(c.backoff)
+                c.waiting = ("ErrImagePull", f'failed to pull image "{image}": {failure}') if c.pulls == 1 else (
+                    "ImagePullBackOff", f'Back-off pulling image "{image}": {failure}')
+                return False
+        c.pulls, c.image_id, c.image_user = 0, found.id, found.user
+        return True
+
+    def _signal(self, c: Container, sig: int) -> None:
+        """A signal for the container's main process: to the process group (process mode); through podman in
+        container mode (SIGKILL removes the container, so nothing is left running when podman itself dies)."""
+        if c.proc is None:
+            return
+        if self.podman is not None and c.runtime_name:
+            if sig == signal.SIGKILL:
+                self.podman.remove(c.runtime_name)
+            elif self.podman.kill(c.runtime_name, sig):
+                return
+        _signal_group(c.proc, sig)
+
     def _lookup(self, namespace: str) -> Lookup:
         def lookup(kind: str, name: str) -> Obj | None:
             return self.store.find(self.store.type("/secrets" if kind == "secret" else "/configmaps"),
@@ -582,6 +750,9 @@ class Kubelet(ControlLoop):
         service_env = {"KUBERNETES_SERVICE_HOST": host or "127.0.0.1", "KUBERNETES_SERVICE_PORT": port,
                        "KUBERNETES_SERVICE_PORT_HTTPS": port}
         env = resolve_env(spec, pod, self._lookup(pod["metadata"].get("namespace", "")), service_env, rt.ip)
+        if self.podman is not None:  # the image's own environment, then the container's: nothing of the host's
+            rt.env[spec["name"]] = env
+            return env
         env = {k: rewrite_paths(v, rt.mounts) for k, v in env.items()}
         base = {k: os.environ[k] for k in _HOST_ENV if k in os.environ}
         base.update(HOSTNAME=pod["metadata"]["name"], KUBECONFIG=os.path.join(rt.dir, "kubeconfig"))
@@ -603,7 +774,9 @@ class Kubelet(ControlLoop):
         ttl = self.config.token_ttl or None
         rt.token = self.cluster.new_token(rt.sa_user, ttl)
         rt.token_refresh_at = time.monotonic() + 0.8 * ttl if ttl else 0.0
-        write_atomically(sa_dir, {**rt.sa_files, "token": rt.token})
+        if self.podman is not None:
+            rt.sa_modes = self._token_volume_modes(pod)
+        write_atomically(sa_dir, {**rt.sa_files, "token": rt.token}, rt.sa_modes)
         self.cluster.write_kubeconfig(os.path.join(rt.dir, "kubeconfig"), "", rt.sa_user, ns or "default",
                                       token_file=os.path.join(sa_dir, "token"),
                                       ca_file=os.path.join(sa_dir, "ca.crt"))
@@ -621,6 +794,9 @@ class Kubelet(ControlLoop):
                     fb.write(data)
                 os.chmod(path, mode)
             local[vol_name] = vdir
+            if self.podman is not None:
+                _own_volume(vdir, files, pod, vol_name)
+        rt.volumes = local
         mounts: list[tuple[str, str]] = [(SERVICE_ACCOUNT_DIR, sa_dir)]
         for c in pod["spec"].get("containers") or []:
             for m in c.get("volumeMounts") or []:
@@ -631,9 +807,65 @@ class Kubelet(ControlLoop):
         rt.mounts = mounts
         rt.prepared = True
 
+    def _token_volume_modes(self, pod: Obj) -> Callable[[str], FileMode]:
+        """Modes and owners of the ServiceAccount volume's files (kube-api-access: defaultMode 0644)."""
+        fs_group = ((pod["spec"].get("securityContext") or {}).get("fsGroup"))
+        user = fs_user(pod)
+
+        def modes(name: str) -> FileMode:
+            return token_file(0o644, user, fs_group) if name == "token" else volume_file(0o644, fs_group)
+        return modes
+
+    def _run_spec(self, pod: Obj, rt: PodRuntime, c: Container, env: dict[str, str], attempt: int) -> RunSpec:
+        """Container mode: the container as the CRI would create it from the pod spec."""
+        meta, spec = pod["metadata"], c.spec
+        security = effective_security(pod, spec)
+        pod_security = pod["spec"].get("securityContext") or {}
+        user = None
+        if security.get("runAsUser") is not None:
+            user = str(security["runAsUser"])
+            if security.get("runAsGroup") is not None:
+                user += f":{security['runAsGroup']}"
+        groups = [int(g) for g in [pod_security.get("fsGroup"), *(pod_security.get("supplementalGroups") or [])]
+                  if g is not None]
+        capabilities = security.get("capabilities") or {}
+        mounts: list[Mount] = []
+        declared = {m.get("mountPath") for m in spec.get("volumeMounts") or []}
+        if pod["spec"].get("automountServiceAccountToken", True) and SERVICE_ACCOUNT_DIR not in declared:
+            mounts.append(Mount(rt.sa_dir, SERVICE_ACCOUNT_DIR, read_only=True))
+        # Secret, ConfigMap, projected and downward API volumes are always mounted read-only (ReadOnlyAPIDataVolumes).
+        api_data = {v.get("name") for v in pod["spec"].get("volumes") or []
+                    if {"secret", "configMap", "projected", "downwardAPI"} & set(v)}
+        for m in spec.get("volumeMounts") or []:
+            source = rt.volumes.get(m.get("name", ""))
+            if source and m.get("mountPath"):
+                sub = m.get("subPath")
+                mounts.append(Mount(os.path.join(source, sub) if sub else source, m["mountPath"],
+                                    bool(m.get("readOnly")) or m.get("name") in api_data))
+        lookup = env.get
+        command = [expand(str(a), lookup) for a in spec.get("command") or []]
+        name = f"k8s_{c.name}_{meta['name']}_{meta.get('namespace', '')}_{meta['uid']}_{attempt}"
+        return RunSpec(
+            name=name, image=str(spec.get("image", "")), entrypoint=command or None,
+            args=[expand(str(a), lookup) for a in spec.get("args") or []], env=env, hostname=meta["name"][:63],
+            user=user, groups=groups, read_only=bool(security.get("readOnlyRootFilesystem")),
+            cap_add=[str(x) for x in capabilities.get("add") or []],
+            cap_drop=[str(x) for x in capabilities.get("drop") or []],
+            no_new_privileges=security.get("allowPrivilegeEscalation") is False,
+            seccomp_unconfined=(security.get("seccompProfile") or {}).get("type") != "RuntimeDefault",
+            mounts=mounts, workdir=spec.get("workingDir") or None,
+            labels={SIM_PID_LABEL: str(os.getpid()), POD_LABEL: meta["uid"]})
+
     def _start(self, pod: Obj, rt: PodRuntime, c: Container, env: dict[str, str]) -> None:
-        argv = [rewrite_paths(a, rt.mounts) for a in container_argv(c.spec, env, self.config.local_entrypoint)]
-        workdir = rewrite_paths(c.spec["workingDir"], rt.mounts) if c.spec.get("workingDir") else None
+        if self.podman is not None:
+            run_spec = self._run_spec(pod, rt, c, env, c.restart_count)
+            c.runtime_name = run_spec.name
+            argv, workdir, env = self.podman.run_command(run_spec), None, _podman_environment()
+            shown = [run_spec.name, run_spec.image, *run_spec.args]  # not --env: Secrets' values stay out of logs
+        else:
+            argv = [rewrite_paths(a, rt.mounts) for a in container_argv(c.spec, env, self.config.local_entrypoint)]
+            workdir = rewrite_paths(c.spec["workingDir"], rt.mounts) if c.spec.get("workingDir") else None
+            shown = argv
         os.makedirs(self.log_dir, exist_ok=True)
         log_path = os.path.join(self.log_dir, f"{pod['metadata'].get('namespace', '')}_{pod['metadata']['name']}_"
                                               f"{c.name}.log")
@@ -662,12 +894,12 @@ class Kubelet(ControlLoop):
             self._schedule_restart(c)
             return
         os.close(write_fd)
-        run = c.log.begin(f"process://{c.proc.pid}")
+        run = c.log.begin(c.container_id())
         threading.Thread(target=c.log.capture, args=(run, read_fd), daemon=True,
                          name=f"output-{pod['metadata']['name']}-{c.name}").start()
         c.terminated = None
         log.info("kubelet: started %s/%s container %s (pid %d): %.160s", pod["metadata"].get("namespace", ""),
-                 pod["metadata"]["name"], c.name, c.proc.pid, shlex.join(argv).replace("\n", "\\n"))
+                 pod["metadata"]["name"], c.name, c.proc.pid, shlex.join(shown).replace("\n", "\\n"))
         key = (pod["metadata"].get("namespace", ""), pod["metadata"]["name"])
         c.runner = threading.Thread(target=self._watch_container, args=(key, rt, c, c.proc), daemon=True,
                                     name=f"container-{key[1]}-{c.name}")
@@ -708,7 +940,7 @@ class Kubelet(ControlLoop):
         code = proc.returncode
         c.ready = False
         c.terminated = {"exitCode": code if code >= 0 else 128 - code, "reason": "Completed" if code == 0 else
-                        "Error", "startedAt": c.started_at, "finishedAt": now(), "containerID": f"process://{proc.pid}"}
+                        "Error", "startedAt": c.started_at, "finishedAt": now(), "containerID": c.container_id()}
         if code < 0:
             c.terminated["signal"] = -code
         if not c.stopping:
@@ -718,7 +950,13 @@ class Kubelet(ControlLoop):
 
     def _probe_once(self, key: tuple[str, str], rt: PodRuntime, c: Container, proc: subprocess.Popen[bytes],
                     p: Probe, has_startup: bool) -> None:
-        ok, why = run_probe(p.spec, c.spec, rt.ip, rt.env.get(c.name, {}), rt.mounts)
+        in_container = None
+        if self.podman is not None:
+            podman, name = self.podman, c.runtime_name
+
+            def in_container(argv: list[str]) -> list[str]:
+                return podman.exec_command(name, argv)
+        ok, why = run_probe(p.spec, c.spec, rt.ip, rt.env.get(c.name, {}), rt.mounts, in_container)
         p.due = time.monotonic() + float(p.spec.get("periodSeconds", 10))
         if ok:
             p.successes, p.failures = p.successes + 1, 0
@@ -742,11 +980,11 @@ class Kubelet(ControlLoop):
             log.info("kubelet: %s/%s container %s failed its %s probe (%s); killing it", key[0], key[1], c.name,
                      p.kind, why)
             p.failures = 0
-            _signal_group(proc, signal.SIGTERM)
+            self._signal(c, signal.SIGTERM)
             try:
                 proc.wait(timeout=float(p.spec.get("terminationGracePeriodSeconds", 2)))
             except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
+                self._signal(c, signal.SIGKILL)
 
     # ---- status
 
@@ -821,8 +1059,8 @@ class Kubelet(ControlLoop):
                     "started": bool(c.running() and c.started), "restartCount": c.restart_count, "state": state,
                     "lastState": last}
         if c.proc is not None or c.fake:
-            out["imageID"] = f"kubesim.local/{image}"
-            out["containerID"] = f"process://{c.proc.pid}" if c.proc is not None else f"fake://{c.name}"
+            out["imageID"] = c.image_id or f"kubesim.local/{image}"
+            out["containerID"] = c.container_id()
         return out
 
     # ---- pods/log
@@ -843,20 +1081,25 @@ class Kubelet(ControlLoop):
         with self._lock:
             runtimes = list(self.pods.values())
         procs = [c.proc for rt in runtimes for c in rt.containers.values() if c.proc is not None]
+        names = [c.runtime_name for rt in runtimes for c in rt.containers.values() if c.runtime_name]
         for rt in runtimes:
             for c in rt.containers.values():
                 c.stopping = True
         for proc in procs:
             if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
+                _signal_group(proc, signal.SIGTERM)  # `podman run` hands it to its container (--sig-proxy)
         deadline = time.monotonic() + 3
         for proc in procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                if self.podman is not None:
+                    self.podman.remove(*names)
                 _signal_group(proc, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=1)
+        if self.podman is not None:
+            self.podman.remove(*names)  # whatever a `podman run` that died left behind
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
 

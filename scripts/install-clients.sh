@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The real IPMI clients the tests drive (ipmitool; freeipmi's ipmipower, ipmi-chassis, bmc-info), installed from
-# Debian/Ubuntu packages when one is missing. Used by `make test` and by CI (.ci/run). Does nothing when every
-# client is present; uses sudo only when not root.
+# The real tools the tests drive, installed from Debian/Ubuntu packages when one is missing: the IPMI clients
+# (ipmitool; freeipmi's ipmipower, ipmi-chassis, bmc-info), what builds and runs the image (podman with runc, and
+# mmdebstrap for a base where no registry answers) and promtool (Prometheus' rule checker, in Debian's prometheus
+# package). Used by `make test` and by CI (.ci/run). Does nothing when every tool is present; uses sudo only when
+# not root.
 set -euo pipefail
 
 # command -> the Debian package that provides it
@@ -10,6 +12,10 @@ declare -A package_of=(
   [ipmipower]=freeipmi-tools
   [ipmi-chassis]=freeipmi-tools
   [bmc-info]=freeipmi-tools
+  [podman]=podman
+  [runc]=runc
+  [mmdebstrap]=mmdebstrap
+  [promtool]=prometheus
 )
 
 missing=()

@@ -53,6 +53,15 @@ def controller(sim: Sim, bmc_crd: None, tmp_path_factory: pytest.TempPathFactory
     proc.stop()
 
 
+@pytest.fixture(scope="session")
+def kubevbmc_image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The project's image built from this checkout (scripts/image.py, what `make image` runs) into the container
+    storage of kubesim's container kubelet."""
+    from .support.containers import build_image
+
+    return build_image(tmp_path_factory.mktemp("image") / "build.log")
+
+
 @pytest.fixture
 def image_server() -> Iterator[Any]:
     """A loopback image server (tests/support/images.py): the agent checks an image before inserting it."""

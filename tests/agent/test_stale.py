@@ -258,6 +258,11 @@ def test_a_frozen_api_server_makes_reads_busy_and_a_thawed_one_serves_them_again
         # busy answers instead of vanishing from its Service (docs/reference.md, "The agent").
         assert get(agent, "/redfish/v1").status == 200
         assert agent.ready()
+        # What an alert sees of it (charts/kubevbmc/templates/prometheusrule.yaml): the refused reads, counted.
+        with urllib.request.urlopen(f"{agent.url}/metrics", timeout=5) as resp:
+            counted = [line for line in resp.read().decode().splitlines()
+                       if line.startswith("kubevbmc_agent_stale_reads_total ")]
+        assert counted and float(counted[0].split()[1]) >= 2, counted
 
     back = first_times({
         "Redfish 200": lambda: get(agent, system).status == 200,

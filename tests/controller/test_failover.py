@@ -285,7 +285,7 @@ def test_a_controller_without_its_crd_says_which_to_apply_and_exits_non_zero(bar
     log = controller.log_path.read_text()
     assert code == 1, log
     assert ("ERROR controller: CustomResourceDefinition virtualmachinebmcs.bmc.kubevirt.io not found: "
-            "kubectl apply -f charts/kubevbmc/crds/bmc.kubevirt.io_virtualmachinebmcs.yaml") in log
+            "kubectl apply -f controller/crds/bmc.kubevirt.io_virtualmachinebmcs.yaml") in log
     assert "Traceback" not in log
     assert not lease_of(bare_sim.api(), "default", "kubevbmc-controller"), "it never took the Lease"
 

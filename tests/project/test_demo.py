@@ -18,8 +18,17 @@ from ..support.cluster import REPO, address_ranges, wait_for
 
 
 def agent_processes() -> list[str]:
+    """This checkout's agent processes (the demo's run here): other checkouts' test runs on the machine start
+    theirs at any time."""
     out = subprocess.run(["pgrep", "-f", "vbmc agent"], capture_output=True, text=True).stdout
-    return out.split()
+    return [pid for pid in out.split() if _cwd(pid) == REPO]
+
+
+def _cwd(pid: str) -> Path | None:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:  # gone already, or not ours to look at
+        return None
 
 
 def assert_no_agent_left(before: set[str]) -> None:

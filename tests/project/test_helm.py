@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import json
 import re
+import shutil
+import subprocess
+import tarfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,8 +59,15 @@ CUSTOM: Obj = {
         {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64", "arm64"]}]}]}}},
     "metrics": {"port": 9090, "service": {"type": "ClusterIP", "port": 9443},
                 "serviceMonitor": {"enabled": True, "interval": "15s", "scrapeTimeout": "5s",
-                                   "labels": {"release": "prometheus"}}},
+                                   "labels": {"release": "prometheus"}},
+                "podMonitor": {"enabled": True, "interval": "20s", "labels": {"release": "prometheus"}},
+                "prometheusRule": {"enabled": True, "notReadyFor": "30m", "labels": {"release": "prometheus"},
+                                   "alertLabels": {"team": "infra"}},
+                "grafanaDashboard": {"enabled": True, "labels": {"grafana_dashboard": "1"}}},
 }
+# What the monitoring values render (each off by default).
+MONITORING_ON: Obj = {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True},
+                                  "prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True}}}
 
 
 # ---- helpers
@@ -116,11 +127,19 @@ def test_the_chart_app_version_is_the_package_version(chart: helm.Chart) -> None
     assert chart.metadata["apiVersion"] == "v2"
 
 
-def test_the_chart_ships_the_controllers_crd_byte_for_byte(chart: helm.Chart) -> None:
-    controllers = (REPO / "controller" / "crds" / CRD_FILE).read_bytes()
-    # One source: crds/ links to the controller's file, and Helm's loader follows the link.
-    assert (CHART / "crds" / CRD_FILE).is_symlink()
-    assert [(c["name"], c["data"].encode()) for c in chart.crds] == [(f"crds/{CRD_FILE}", controllers)]
+def test_the_chart_renders_the_controllers_crd(chart: helm.Chart) -> None:
+    controllers = yaml.safe_load((REPO / "controller" / "crds" / CRD_FILE).read_text())
+    # One source: files/crds links to the controller's file (Helm's loader follows the link), and a template renders
+    # it, so that `helm upgrade` upgrades it; nothing is left in crds/, which Helm installs once and never upgrades.
+    assert (CHART / "files" / "crds" / CRD_FILE).is_symlink()
+    assert chart.crds == [] and not (CHART / "crds").exists()
+    crd = one(render(chart), "CustomResourceDefinition")
+    assert crd["spec"] == controllers["spec"] and crd["metadata"]["name"] == controllers["metadata"]["name"]
+    assert crd["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    # Kept when the release goes (crds.keep): deleting the CRD would delete every VirtualMachineBMC.
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert "annotations" not in one(render(chart, {"crds": {"keep": False}}), "CustomResourceDefinition")["metadata"]
+    assert not [o for o in render(chart, {"crds": {"enabled": False}}) if o["kind"] == "CustomResourceDefinition"]
 
 
 @pytest.mark.parametrize("values", [None, CUSTOM], ids=["defaults", "custom"])
@@ -190,8 +209,8 @@ def with_leaf(values: Obj, path: tuple[str, ...], change: Any) -> Obj:
 
 
 def test_every_value_is_documented_and_changes_what_is_rendered(chart: helm.Chart) -> None:
-    # A base with the ServiceMonitor on, so that its settings can show up too.
-    base = chart.merge_values({"metrics": {"serviceMonitor": {"enabled": True}}})
+    # A base with the monitoring objects on, so that their settings can show up too.
+    base = chart.merge_values(MONITORING_ON)
     baseline = render(chart, base)
     leaves = list(documented_leaves((CHART / "values.yaml").read_text()))
     assert len(leaves) >= 25
@@ -207,10 +226,12 @@ def test_every_value_is_documented_and_changes_what_is_rendered(chart: helm.Char
 def test_default_values_render_a_locked_down_controller_with_its_rbac(chart: helm.Chart) -> None:
     objs = render(chart)
     assert sorted((o["kind"], o["metadata"]["name"]) for o in objs) == [
-        ("ClusterRole", "kubevbmc"), ("ClusterRoleBinding", "kubevbmc"), ("Deployment", "kubevbmc"),
+        ("ClusterRole", "kubevbmc"), ("ClusterRoleBinding", "kubevbmc"),
+        ("CustomResourceDefinition", "virtualmachinebmcs.bmc.kubevirt.io"), ("Deployment", "kubevbmc"),
         ("Role", "kubevbmc-leader-election"), ("RoleBinding", "kubevbmc-leader-election"),
         ("Service", "kubevbmc-metrics"), ("ServiceAccount", "kubevbmc")]
-    assert all(o["metadata"].get("namespace") == RELEASE_NS for o in objs if not o["kind"].startswith("Cluster"))
+    assert all(o["metadata"].get("namespace") == RELEASE_NS for o in objs
+               if not o["kind"].startswith("Cluster") and o["kind"] != "CustomResourceDefinition")
 
     deployment = one(objs, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
@@ -356,7 +377,8 @@ def test_rendered_manifests_and_the_crd_pass_kubernetes_schemas(chart: helm.Char
         except kubernetes_validate.ValidationError as exc:
             path = ".".join(str(p) for p in exc.path)
             raise AssertionError(f"{obj['kind']} {obj['metadata']['name']} at {path}: {exc.message}") from None
-    assert unvalidated == ["ServiceMonitor"]  # a Prometheus Operator CRD, not a Kubernetes kind
+    # Prometheus Operator CRDs, not Kubernetes kinds (tests/project/test_monitoring.py checks the rules).
+    assert sorted(unvalidated) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
 
 
 # ---- installed into kubesim
@@ -453,7 +475,99 @@ def test_helm_installs_the_chart_into_kubesim_and_its_controller_makes_a_bmc_rea
         assert status_of(helm_sim, path) == 404, path
     wait_for(lambda: not call(api, "GET", f"/api/v1/namespaces/{RELEASE_NS}/pods").body["items"], timeout=20,
              what="the controller pod to go")
-    # Helm never deletes what crds/ installed: the CRD and the VirtualMachineBMCs stay.
+    # crds.keep: the CRD and the VirtualMachineBMCs stay.
     assert status_of(helm_sim, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
                                "virtualmachinebmcs.bmc.kubevirt.io") == 200
     assert get_bmc(api, "bmcs")["metadata"]["name"] == "vm"
+
+
+# ---- upgrades: the CRD goes with the release
+
+
+# The last commit of the chart before its CRD became a template (0.1.0: the CRD in crds/, which Helm never upgrades).
+PREVIOUS_CHART = ("0.1.0", "348fe2dd94c03456d630a792a72fe0b496b59ae7")
+CRD_NAME = "virtualmachinebmcs.bmc.kubevirt.io"
+CRD_PATH = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}"
+
+
+def previous_chart(directory: Path) -> Path:
+    """The previous chart version, as this repository's history has it."""
+    version, commit = PREVIOUS_CHART
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "charts/kubevbmc", "controller/crds"],
+                             capture_output=True, timeout=60)
+    assert archive.returncode == 0, f"the previous chart ({commit}) is not in this clone's history: " \
+                                    f"{archive.stderr.decode()} (fetch the full history)"
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(directory, filter="data")
+    chart = directory / "charts" / "kubevbmc"
+    assert yaml.safe_load((chart / "Chart.yaml").read_text())["version"] == version
+    return chart
+
+
+def next_chart(directory: Path) -> Path:
+    """This chart as its next version would be: a CRD with one more field (links resolved, as `helm package`
+    does)."""
+    chart = directory / "next"
+    shutil.copytree(CHART, chart, symlinks=False)
+    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    (chart / "Chart.yaml").write_text(yaml.safe_dump({**meta, "version": meta["version"] + "-next"}))
+    crd_file = chart / "files" / "crds" / CRD_FILE
+    crd = yaml.safe_load(crd_file.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec["properties"]["comment"] = {"type": "string", "description": "A field the next version adds."}
+    crd_file.write_text(yaml.safe_dump(crd))
+    return chart
+
+
+def served_spec_fields(sim: Sim) -> set[str]:
+    crd = call(sim.api(), "GET", CRD_PATH).body
+    return set(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"])
+
+
+def test_helm_upgrades_from_the_previous_chart_version_and_then_upgrades_the_crd(tmp_path: Path) -> None:
+    sim = start_sim(tmp_path / "kubesim", "--kubelet", "fake")
+    try:
+        api = sim.api()
+        create_namespace(sim, "bmcs")
+        with helm.Config(kubeconfig_path=sim.kubeconfig, namespace=RELEASE_NS) as cfg:
+            old = cfg.install(previous_chart(tmp_path / "previous"), RELEASE, None, create_namespace=True,
+                              wait="watcher", timeout=60)
+            assert old["chart_version"] == PREVIOUS_CHART[0]
+            make_vm(api, "bmcs")
+            make_secret(api, "bmcs")
+            apply_bmc(api, "bmcs")
+
+            # The CRD that crds/ installed is not the release's: Helm refuses to take it over...
+            with pytest.raises(helm.HelmError) as refused:
+                cfg.upgrade(CHART, RELEASE, None, wait="watcher", timeout=60)
+            assert f'CustomResourceDefinition "{CRD_NAME}" in namespace "" exists and cannot be imported into the ' \
+                   "current release" in str(refused.value)
+            # ...until it carries the release's marks, the one step docs/install.md gives for this upgrade
+            # (kubectl label / kubectl annotate).
+            marks = {"metadata": {"labels": {"app.kubernetes.io/managed-by": "Helm"},
+                                  "annotations": {"meta.helm.sh/release-name": RELEASE,
+                                                  "meta.helm.sh/release-namespace": RELEASE_NS}}}
+            reply = call(api, "PATCH", CRD_PATH, marks, content_type="application/merge-patch+json")
+            assert reply.status == 200, reply.body
+            upgraded = cfg.upgrade(CHART, RELEASE, None, wait="watcher", timeout=60)
+            assert upgraded["status"] == "deployed" and upgraded["chart_version"] == chart_version()
+            crd = call(api, "GET", CRD_PATH).body
+            assert crd["metadata"]["labels"]["helm.sh/chart"] == f"kubevbmc-{chart_version()}"
+            assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+            assert get_bmc(api, "bmcs")["metadata"]["name"] == "vm"  # nothing of the user's was lost
+
+            # From here on a new chart's CRD arrives with `helm upgrade`, no step of one's own.
+            assert "comment" not in served_spec_fields(sim)
+            later = cfg.upgrade(next_chart(tmp_path), RELEASE, None, wait="watcher", timeout=60)
+            assert later["status"] == "deployed"
+            assert "comment" in served_spec_fields(sim)
+
+            cfg.uninstall(RELEASE, wait="watcher", timeout=60)
+        assert call(api, "GET", CRD_PATH).status == 200  # kept (crds.keep), and the BMC with it
+        assert get_bmc(api, "bmcs")["metadata"]["name"] == "vm"
+    finally:
+        sim.stop()
+
+
+def chart_version() -> str:
+    return str(yaml.safe_load((CHART / "Chart.yaml").read_text())["version"])

@@ -1,9 +1,11 @@
-"""The container image, tested without a Docker engine: what the Dockerfile says, the wheel it builds, and the
-`kubevbmc` entry point it runs with the runtime dependencies only, as the Deployments call it."""
+"""The container image: what the Dockerfile says, the wheel it builds, the `kubevbmc` entry point with the runtime
+dependencies only (as the Deployments call it), and the image itself, built by `make image` (scripts/image.py) and
+run with podman: its user, packages and labels, and `kubevbmc agent` from it powering a VM for ipmitool."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -30,7 +32,10 @@ from packaging.utils import canonicalize_name
 from controller import desired, settings
 from controller.settings import Settings
 
-from ..support.cluster import REPO, wait_for
+from ..support.agents import PASSWORD, USER, ipmitool_at
+from ..support.cluster import REPO, Sim, wait_for
+from ..support.containers import image_config, podman
+from ..support.vms import make_vm, printable
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
@@ -56,8 +61,9 @@ class Stage:
         return found[0]
 
 
-def dockerfile_stages(text: str) -> list[Stage]:
-    """Instructions by stage: comments dropped, backslash continuations joined, keywords upper-cased."""
+def dockerfile_stages(text: str) -> tuple[dict[str, str], list[Stage]]:
+    """The global ARGs (before the first FROM) and the instructions by stage: comments dropped, backslash
+    continuations joined, keywords upper-cased, ${ARG} in FROM replaced by the global ARG's default."""
     logical, current = [], ""
     for line in text.splitlines():
         if line.lstrip().startswith("#"):
@@ -70,20 +76,25 @@ def dockerfile_stages(text: str) -> list[Stage]:
             logical.append(" ".join(current.split()))
         current = ""
     stages: list[Stage] = []
+    global_args: dict[str, str] = {}
     for entry in logical:
         keyword, _, argument = entry.partition(" ")
         keyword = keyword.upper()
         if keyword == "FROM":
             words = argument.split()
             name = words[2] if len(words) == 3 and words[1].upper() == "AS" else ""
-            stages.append(Stage(words[0], name))
+            image = re.sub(r"\$\{(\w+)\}", lambda m: global_args[m.group(1)], words[0])
+            stages.append(Stage(image, name))
+        elif not stages:
+            assert keyword == "ARG", f"{keyword} before the first FROM"
+            key, _, default = argument.partition("=")
+            global_args[key] = default
         else:
-            assert stages, f"{keyword} before the first FROM"
             stages[-1].instructions.append((keyword, argument))
-    return stages
+    return global_args, stages
 
 
-STAGES = dockerfile_stages((REPO / "Dockerfile").read_text())
+GLOBAL_ARGS, STAGES = dockerfile_stages((REPO / "Dockerfile").read_text())
 BUILDER, FINAL = STAGES[0], STAGES[-1]
 
 
@@ -107,33 +118,40 @@ def build_args(stage: Stage) -> dict[str, str]:
     return dict(arg.partition("=")[::2] for arg in stage.all("ARG"))
 
 
-def test_the_dockerfile_is_multi_stage_on_one_slim_python_base_that_the_project_supports() -> None:
+def test_the_dockerfile_is_multi_stage_on_debians_own_slim_image() -> None:
     assert len(STAGES) >= 2 and BUILDER.name, "a named builder stage, then the final stage"
     assert FINAL.name == "" or FINAL.name != BUILDER.name
+    # Debian's image and Debian's Python: what scripts/image.py makes from Debian's packages where the image cannot
+    # be pulled is the same thing, so the image tested here is the one released.
     repository, _, tag = FINAL.image.partition(":")
-    assert repository in ("python", "docker.io/library/python") and "slim" in tag.split("-"), FINAL.image
-    assert "@" not in FINAL.image and "latest" not in tag, "a pinned tag, not a moving one"
-    # The virtualenv copied from the builder runs the builder's interpreter: the same base image in both stages.
+    assert repository == "docker.io/library/debian" and tag.endswith("-slim"), FINAL.image
+    assert "@" not in FINAL.image and "latest" not in tag and tag.removesuffix("-slim").isalpha(), \
+        "a Debian release's codename, not a moving tag"
+    # The virtualenv copied from the builder runs the base's /usr/bin/python3: the same base in both stages, and the
+    # final stage installs Debian's python3 (the built image's interpreter is checked against requires-python).
     assert BUILDER.image == FINAL.image
-    python = tuple(int(part) for part in tag.split("-")[0].split("."))
-    minimum = tuple(int(part) for part in PROJECT["requires-python"].removeprefix(">=").split("."))
-    assert python >= minimum, f"{FINAL.image} is older than requires-python {PROJECT['requires-python']}"
+    assert any(r.split()[:1] == ["debian-packages"] and "python3" in r.split() for r in FINAL.all("RUN"))
 
 
 def test_the_builder_installs_a_wheel_of_the_project_with_the_constraints_and_no_extras() -> None:
     runs = BUILDER.all("RUN")
     wheel = [r for r in runs if "pip wheel" in r]
-    assert wheel and "--no-deps" in wheel[0].split(), "the wheel holds the project only; pip resolves the rest"
-    installs = [shlex.split(r) for r in runs if "pip install" in r]
-    assert len(installs) == 1, runs
-    install = installs[0]
-    constraint = next(install[i + 1] for i, word in enumerate(install) if word in ("-c", "--constraint"))
-    assert constraint == "constraints.txt"
-    targets = [w for w in install[install.index("install") + 1:] if not w.startswith("-") and w != constraint]
+    assert wheel and "--no-deps" in wheel[0].split(), "the wheel holds the project only"
+    installs = [shlex.split(r.split("&&")[-1]) for r in runs if "pip install" in r]
+    assert len(installs) == 2, runs
+    dependencies, project = installs
+    for install in installs:
+        constraint = next(install[i + 1] for i, word in enumerate(install) if word in ("-c", "--constraint"))
+        assert constraint == "constraints.txt"
+    # First the pinned runtime dependencies, read from pyproject.toml (a layer that a code change keeps), then the
+    # wheel without resolving anything again.
+    assert "--requirement" in dependencies and "'dependencies'" in next(r for r in runs if "pip install" in r)
+    assert "--no-deps" in project
+    targets = [w for w in project[project.index("install") + 1:] if not w.startswith("-") and w != "constraints.txt"]
     assert targets and all(t.endswith(".whl") for t in targets), targets
     for run in BUILDER.all("RUN") + FINAL.all("RUN"):
-        assert "[" not in run, f"no extras ([sim], [test], ...) in the image: {run}"
-    assert not any("pip" in r for r in FINAL.all("RUN")), "the final stage installs nothing"
+        assert not re.search(r"\[(sim|test|bench)", run), f"no extras in the image: {run}"
+    assert not any("pip" in r for r in FINAL.all("RUN")), "the final stage installs nothing from PyPI"
 
 
 def test_the_final_stage_runs_the_console_script_as_a_numeric_non_root_user() -> None:
@@ -141,7 +159,7 @@ def test_the_final_stage_runs_the_console_script_as_a_numeric_non_root_user() ->
     assert len(entrypoint) == 1 and Path(entrypoint[0]).name == SCRIPT
     # The script lives in the virtualenv the builder made and the final stage copied.
     venv = str(Path(entrypoint[0]).parent.parent)
-    assert any(shlex.split(r) == ["python", "-m", "venv", venv] for r in BUILDER.all("RUN"))
+    assert any(shlex.split(r) == ["python3", "-m", "venv", venv] for r in BUILDER.all("RUN"))
     assert any(c.split() == ["--from=" + BUILDER.name, venv, venv] for c in FINAL.all("COPY"))
     for cmd in FINAL.all("CMD"):
         exec_form(cmd)
@@ -180,7 +198,7 @@ def test_the_labels_are_the_projects() -> None:
     assert found["org.opencontainers.image.licenses"] == PROJECT["license"]
     assert found["org.opencontainers.image.version"] == "${VERSION}"
     assert build_args(FINAL)["VERSION"] == PROJECT["version"]
-    assert found["org.opencontainers.image.base.name"].endswith("/" + FINAL.image)
+    assert found["org.opencontainers.image.base.name"] == "${BASE}" and "BASE" in build_args(FINAL)
 
 
 def test_the_pod_security_contexts_match_the_image_user() -> None:
@@ -188,6 +206,8 @@ def test_the_pod_security_contexts_match_the_image_user() -> None:
     pod = agent_deployment()["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] == int(uid)
     assert pod["securityContext"]["runAsGroup"] == int(gid or uid)
+    # The kubelet gives the mounted TLS Secret (0440) to this group: without it the key is root's alone.
+    assert pod["securityContext"]["fsGroup"] == int(gid or uid)
 
 
 # ---- .dockerignore, matched as Docker matches it (patterns from the context root, `**`, `!` exceptions)
@@ -285,7 +305,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             (context / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, context / name)
     [command] = [shlex.split(r) for r in BUILDER.all("RUN") if "pip wheel" in r]
-    assert command[:2] == ["pip", "wheel"]
+    assert Path(command[0]).name == "pip" and command[1] == "wheel"
+    command = ["pip", *command[1:]]
     destination = command[command.index("--wheel-dir") + 1]
     args = [wheels.as_posix() if word == destination else word for word in command[1:]]
     built = subprocess.run([sys.executable, "-m", "pip", *args, "--quiet"], cwd=context, capture_output=True,
@@ -328,14 +349,15 @@ def test_the_wheel_declares_the_console_script_and_pinned_runtime_dependencies(w
 # ---- the entry point, with only the runtime dependencies importable (what the image holds)
 
 
-def _closure(requirements: list[str]) -> set[str]:
-    """Installed distributions these requirements pull in (their own extras' requirements excluded)."""
+def _closure(requirements: list[str], leave_out: frozenset[str] = frozenset()) -> set[str]:
+    """Installed distributions these requirements pull in (their own extras' requirements excluded), without
+    `leave_out` and what only they pull in."""
     seen: set[str] = set()
     todo = [Requirement(r) for r in requirements]
     while todo:
         req = todo.pop()
         name = canonicalize_name(req.name)
-        if name in seen:
+        if name in seen or name in leave_out:
             continue
         try:
             dist = metadata.distribution(req.name)
@@ -349,13 +371,32 @@ def _closure(requirements: list[str]) -> set[str]:
     return seen
 
 
+# The asyncio client the kubernetes package carries, and what it requires for it alone: the builder removes them.
+ASYNC_CLIENT = frozenset({"aiohttp", "aiohttp-retry"})
+
+
+def image_distributions() -> set[str]:
+    """The runtime closure as the image holds it: without the asyncio client's requirements."""
+    return _closure(PROJECT["dependencies"], ASYNC_CLIENT)
+
+
 def extras_only_modules() -> list[str]:
-    """Top-level modules that only the sim, test and bench extras bring: absent from the image."""
-    runtime = _closure(PROJECT["dependencies"])
+    """Top-level modules that only the sim, test and bench extras (or the removed asyncio client) bring: absent from
+    the image; and the asyncio client's package, kubernetes.aio."""
+    runtime = image_distributions()
     extras = _closure([r for group in PROJECT["optional-dependencies"].values() for r in group]) - runtime
-    assert {"cel-python", "pytest", "sushy"} <= extras
-    return sorted(module for module, dists in metadata.packages_distributions().items()
-                  if all(canonicalize_name(d) in extras for d in dists) and module.isidentifier())
+    extras |= _closure(PROJECT["dependencies"]) - runtime
+    assert {"cel-python", "pytest", "sushy", "aiohttp"} <= extras
+    return [*sorted(module for module, dists in metadata.packages_distributions().items()
+                    if all(canonicalize_name(d) in extras for d in dists) and module.isidentifier()),
+            "kubernetes.aio"]
+
+
+def test_the_builder_removes_the_asyncio_client_and_exactly_what_only_it_needs() -> None:
+    [removal] = [r for r in BUILDER.all("RUN") if "kubernetes/aio" in r]
+    uninstall = shlex.split(removal.split("&&")[1])
+    names = {canonicalize_name(w) for w in uninstall[uninstall.index("uninstall") + 1:] if not w.startswith("-")}
+    assert names == _closure(PROJECT["dependencies"]) - image_distributions()
 
 
 # Runs `kubevbmc` (vbmc.cli:main, the console script) with every extras-only module refused at import.
@@ -364,7 +405,7 @@ import importlib.abc, sys
 blocked = set(sys.argv.pop(1).split(","))
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.partition(".")[0] in blocked:
+        if any(name == b or name.startswith(b + ".") or name.partition(".")[0] == b for b in blocked):
             raise ModuleNotFoundError(f"No module named {name!r} (not in the image)", name=name)
         return None
 sys.meta_path.insert(0, Refuse())
@@ -498,3 +539,105 @@ def test_the_agent_serves_and_stops_with_only_the_runtime_dependencies() -> None
             proc.kill()
         output = proc.communicate()[0]
     assert "not in the image" not in output, output
+
+
+# ---- the image, built by `make image` (scripts/image.py) and run with podman
+
+
+def in_image(image: str, *args: str, entrypoint: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`podman run` of the image as a Deployment runs it: its user, a read-only root, no capabilities."""
+    options = ["--rm", "--network", "host", "--read-only", "--read-only-tmpfs=false", "--cap-drop", "ALL",
+               "--security-opt", "no-new-privileges", *podman().limits]
+    if entrypoint:
+        options += ["--entrypoint", entrypoint]
+    return podman().call("run", *options, image, *args, timeout=120)
+
+
+def test_the_built_image_runs_kubevbmc_as_its_numeric_user(kubevbmc_image: str) -> None:
+    found = image_config(kubevbmc_image)
+    config = found["Config"]
+    assert config["User"] == FINAL.one("USER")
+    assert config["Entrypoint"] == exec_form(FINAL.one("ENTRYPOINT"))
+    assert set(config["ExposedPorts"]) == {p for argument in FINAL.all("EXPOSE") for p in argument.split()}
+    assert config["Labels"]["org.opencontainers.image.version"] == PROJECT["version"]
+    assert config["Labels"]["org.opencontainers.image.base.name"] == GLOBAL_ARGS["BASE"]
+    # SOURCE_DATE_EPOCH, the last commit's time: the image's timestamp does not depend on when it was built.
+    commit = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%ct"], capture_output=True, text=True)
+    if commit.returncode == 0:
+        created = found["Created"].replace("Z", "+00:00")
+        assert int(datetime.datetime.fromisoformat(created).timestamp()) == int(commit.stdout)
+    result = in_image(kubevbmc_image, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: {SCRIPT}")
+
+
+def test_the_image_lists_its_packages_pinned_as_constraints_txt_pins_them(kubevbmc_image: str) -> None:
+    listed = in_image(kubevbmc_image, "-c", "import sys; [print(open(f).read()) for f in sys.argv[1:]]",
+                      "/opt/kubevbmc/share/kubevbmc/python-packages.txt",
+                      "/opt/kubevbmc/share/kubevbmc/debian-packages.txt", entrypoint="/opt/kubevbmc/bin/python")
+    assert listed.returncode == 0, listed.stderr
+    python_part, debian_part = listed.stdout.split("\n\n", 1)
+    installed = {canonicalize_name(name): version for name, _, version in
+                 (line.partition("==") for line in python_part.splitlines() if line)}
+    pins = {canonicalize_name(Requirement(line).name): str(Requirement(line).specifier).removeprefix("==")
+            for line in (REPO / "constraints.txt").read_text().splitlines() if line.strip() and line[0] != "#"}
+    assert installed.pop("kubevbmc") == PROJECT["version"]
+    assert "pip" not in installed and "setuptools" not in installed, "nothing in the image installs at run time"
+    assert {name: pins.get(name) for name in installed} == installed, "every package at constraints.txt's pin"
+    assert set(installed) == image_distributions(), "the runtime dependencies, without the asyncio client's"
+    assert not {"cel-python", "pytest", "sushy"} & set(installed), "no extras"
+    debian = dict(line.split("=", 1) for line in debian_part.splitlines() if line)
+    assert {"python3", "python3.11", "ca-certificates", "libc6"} <= set(debian)
+
+
+def test_the_images_python_is_the_one_the_project_requires(kubevbmc_image: str) -> None:
+    found = in_image(kubevbmc_image, "-c", "import sys; print(*sys.version_info[:2])",
+                     entrypoint="/opt/kubevbmc/bin/python")
+    assert found.returncode == 0, found.stderr
+    minimum = tuple(int(part) for part in PROJECT["requires-python"].removeprefix(">=").split("."))
+    assert tuple(map(int, found.stdout.split())) >= minimum
+
+
+def test_kubevbmc_agent_from_the_image_powers_a_vm_for_ipmitool(
+        kubevbmc_image: str, sim: Sim, api: Any, namespace: str, tmp_path: Path) -> None:
+    make_vm(api, namespace)
+    # The agent reads the kubeconfig as its user (65532): a copy it may read, mounted read-only.
+    kubeconfig = tmp_path / "kubeconfig"
+    shutil.copy(sim.kubeconfig, kubeconfig)
+    kubeconfig.chmod(0o644)
+    ipmi, http = free_port(socket.SOCK_DGRAM), free_port(socket.SOCK_STREAM)
+    name = f"agent-{namespace}"
+    command = podman().argv(
+        "run", "--rm", "--name", name, "--network", "host", "--read-only", "--read-only-tmpfs=false",
+        "--cap-drop", "ALL", "--security-opt", "no-new-privileges", *podman().limits,
+        "--mount", f"type=bind,source={kubeconfig},destination=/etc/kubevbmc/kubeconfig,ro=true",
+        "--env", f"VBMC_USERNAME={USER}", "--env", f"VBMC_PASSWORD={PASSWORD}",
+        kubevbmc_image, "agent", "--kubeconfig", "/etc/kubevbmc/kubeconfig", "--namespace", namespace, "--vm", "vm",
+        "--ipmi-address", f"127.0.0.1:{ipmi}", "--redfish-address", f"127.0.0.1:{http}")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, "the agent container exited"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/readyz", timeout=1) as resp:
+                    return bool(resp.status == 200)
+            except OSError:
+                return False
+
+        wait_for(ready, timeout=60, what="the agent container's /readyz")
+        on = ipmitool_at("127.0.0.1", ipmi, "power", "on")
+        assert on.returncode == 0 and "Up/On" in on.stdout, on.stderr
+        wait_for(lambda: printable(api, namespace) == "Running", timeout=20, what="the VM to run")
+        status = ipmitool_at("127.0.0.1", ipmi, "power", "status")
+        assert "Chassis Power is on" in status.stdout, status.stderr
+        # The CRI's stop: SIGTERM to the container's process; the agent stops its servers at once.
+        started = time.monotonic()
+        assert podman().kill(name, signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - started < 5
+    finally:
+        if proc.poll() is None:
+            podman().remove(name)
+            proc.wait(timeout=30)
+        output = proc.communicate()[0]
+    assert "Traceback" not in output, output

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..access.throttle import Engaged, LoginThrottle
-from ..machine import Machine
+from ..machine import STALE_READS, Machine
 from ..redfish.eventservice import SubscriptionStore
 from ..redfish.server import Limits, Listeners, RedfishFront, ServerConfig, connection_slots, hypercorn_config
 
@@ -155,10 +155,10 @@ class Bmc:
                                    subscriptions=self.agent.subscriptions_store(spec),
                                    event_ca_file=agent.event_ca_file, require_tls=spec.require_tls)
             self.events = flask_app.extensions["vbmc.events"]
-            flask_app.wsgi_app = MetricsApp(flask_app.wsgi_app, self.throttle.metrics)
+            flask_app.wsgi_app = MetricsApp(flask_app.wsgi_app, self.metrics)
             app = flask_app
         else:
-            app = MetricsApp(service_disabled, self.throttle.metrics)
+            app = MetricsApp(service_disabled, self.metrics)
         server = self.agent.server_config
         self.front = RedfishFront(app, probes={"/healthz": lambda: True, "/readyz": self.ready},
                                   threads=server.threads, body_timeout=server.body_timeout, limits=server.limits)
@@ -188,6 +188,10 @@ class Bmc:
         """The API server has answered that the VM does not exist (the BMC cannot get ready until it does)."""
         watch = getattr(self.machine, "vm_watch", None)
         return watch is not None and watch.synced and watch.obj is None
+
+    def metrics(self) -> str:
+        """This BMC's /metrics: its login counters and the process's stale reads."""
+        return self.throttle.metrics() + stale_reads_metric()
 
     def ready(self) -> bool:
         """This BMC's /readyz: the VM is watched and IPMI is up (when enabled)."""
@@ -281,6 +285,13 @@ class Bmc:
 
 
 # ---- what a BMC's port answers besides Redfish
+
+
+def stale_reads_metric() -> str:
+    """kubevbmc_agent_stale_reads_total: the process's reads refused from a stale watch cache (every BMC it serves)."""
+    return ("# HELP kubevbmc_agent_stale_reads_total Reads refused (IPMI 0xC0, Redfish 503) because a watch cache had "
+            "not heard from the API server.\n# TYPE kubevbmc_agent_stale_reads_total counter\n"
+            f"kubevbmc_agent_stale_reads_total {STALE_READS.value}\n")
 
 
 class MetricsApp:

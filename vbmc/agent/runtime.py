@@ -54,7 +54,7 @@ from ..redfish.server import (
     hypercorn_config,
     quiet_loop_errors,
 )
-from .bmc import Bmc, BmcSpec
+from .bmc import Bmc, BmcSpec, stale_reads_metric
 from .pool import POOL_KEY, PoolConfigError, Source, parse_pool, plan
 
 log = logging.getLogger("vbmc.agent")
@@ -328,7 +328,7 @@ class Agent:
             "# TYPE kubevbmc_agent_pool_config_rejected_total counter",
             f"kubevbmc_agent_pool_config_rejected_total {self.counters['rejected']}",
         ]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + stale_reads_metric()
 
     def _own_port_app(self) -> Any:
         metrics = self.metrics

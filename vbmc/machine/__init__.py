@@ -9,6 +9,7 @@ May import `vbmc.access`; never a frontend or the agent. Nothing outside `kubevi
 """
 
 from .model import (
+    STALE_READS,
     BackendUnavailable,
     BootEnabled,
     BootMode,
@@ -33,7 +34,7 @@ from .model import (
     VirtualMedia,
 )
 
-__all__ = ["BackendUnavailable", "BootEnabled", "BootMode", "BootOverride", "BootTarget", "ConsoleUnavailable",
-           "Disk", "Health", "HealthState", "ImageUnusable", "InvalidRequest", "Inventory", "Machine", "MachineError",
-           "MediaState", "Nic", "PowerState", "ResetType", "SecureBoot", "SerialConsole", "Unsupported",
-           "VirtualMedia"]
+__all__ = ["STALE_READS", "BackendUnavailable", "BootEnabled", "BootMode", "BootOverride", "BootTarget",
+           "ConsoleUnavailable", "Disk", "Health", "HealthState", "ImageUnusable", "InvalidRequest", "Inventory",
+           "Machine", "MachineError", "MediaState", "Nic", "PowerState", "ResetType", "SecureBoot", "SerialConsole",
+           "Unsupported", "VirtualMedia"]

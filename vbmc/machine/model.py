@@ -173,6 +173,24 @@ class BackendUnavailable(MachineError):
         self.retry_after = retry_after
 
 
+class Tally:
+    """A count that any thread may add to."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.value += 1
+
+
+# Reads a backend refused (BackendUnavailable) because its view of the machine may be out of date, in this process:
+# the agent's kubevbmc_agent_stale_reads_total, what an alert on an agent cut off from its API server watches (the
+# agent stays ready meanwhile, answering busy).
+STALE_READS = Tally()
+
+
 class ConsoleUnavailable(MachineError):
     """The serial console cannot be reached now: the machine is not running, or the backend refused it (the reason is
     the message). IPMI SOL reports it as "character transfer unavailable" and keeps trying."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from ...access import audit
 from ..model import (
+    STALE_READS,
     BackendUnavailable,
     BootEnabled,
     BootMode,
@@ -114,6 +115,7 @@ class KubeVirtMachine(Machine):
         the client gets busy / 503 and retries, rather than a power state that may be minutes old."""
         for watch in self._watches:
             if not watch.fresh:
+                STALE_READS.add()
                 raise BackendUnavailable(watch.staleness() or "the Kubernetes API server is unreachable",
                                          retry_after=STALE_RETRY_AFTER)
         vm = self.vm_watch.obj
