@@ -16,6 +16,7 @@ ipmitool expects).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -28,6 +29,9 @@ RETRY_MIN, RETRY_MAX = 0.25, 5.0  # seconds between attempts to attach while the
 POWER_POLL = 0.25  # how often a detached bridge reads the (cached) power state
 SCROLLBACK = 64 * 1024  # bytes of recent output shown to a viewer that joins
 MAX_VIEWERS = 4  # per BMC and line, IPMI SOL not counted (it has its own single payload instance)
+# Typed while a line is being opened: the machine's first output (kubesim's kept boot text, a VNC greeting) can
+# reach viewers before the open returns, and what they answer must not be lost.
+EARLY_INPUT = 4096
 
 Opener = Callable[[Callable[[bytes], None], Callable[[str], None]], SerialConsole]
 
@@ -58,6 +62,8 @@ class ConsoleBridge:
         self._thread: threading.Thread | None = None
         self.attachments = 0  # lines attached so far (for the log and tests)
         self._backoff = False  # hang_up() ended the line: wait before attaching again
+        self._opening = False  # a line is being opened: send() keeps what comes for it
+        self._early = bytearray()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"{self._kind}-{self._name}", daemon=True)
@@ -74,9 +80,13 @@ class ConsoleBridge:
 
     def send(self, data: bytes) -> bool:
         """Write to the line; False when none is attached (the bytes are lost, as on a cut line)."""
-        line = self._line
-        if line is None:
-            return False
+        with self._lock:
+            line = self._line
+            if line is None:
+                if self._opening and len(self._early) + len(data) <= EARLY_INPUT:
+                    self._early += data
+                    return True
+                return False
         try:
             line.send(data)
         except ConsoleUnavailable:
@@ -108,9 +118,14 @@ class ConsoleBridge:
                 self._stopping.wait(POWER_POLL)
                 continue
             self._gone.clear()
+            with self._lock:
+                self._opening = True
             try:
                 line = self._open(self._output, self._hung_up)
             except MachineError as exc:
+                with self._lock:
+                    self._opening = False
+                    self._early.clear()
                 if str(exc) != last_refusal:  # once per reason, not once per attempt
                     last_refusal = str(exc)
                     log.info("%s console unavailable vm=%s: %s", self._kind, self._name, exc)
@@ -119,10 +134,15 @@ class ConsoleBridge:
                 retry = min(retry * 2, RETRY_MAX)
                 continue
             with self._lock:
+                self._opening = False
+                early, self._early = bytes(self._early), bytearray()
                 if self._stopping.is_set():
                     line.close()
                     return
                 self._line = line
+                if early:  # before anything sent from now on (send() takes the lock)
+                    with contextlib.suppress(ConsoleUnavailable):
+                        line.send(early)
             retry, last_refusal = RETRY_MIN, ""
             self.attachments += 1
             log.info("%s console attached vm=%s", self._kind, self._name)
