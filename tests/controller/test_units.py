@@ -62,6 +62,16 @@ def test_the_role_names_only_this_vm_its_vmi_datavolumes_and_bmc() -> None:
     unnamed = [(tuple(r["resources"]), tuple(r["verbs"])) for r in rules if "resourceNames" not in r]
     # create cannot be restricted by name in RBAC; nothing else is namespace-wide
     assert all(verbs == ("create",) for _, verbs in unnamed)
+    consoles = next(r for r in rules if "virtualmachineinstances/vnc" in r["resources"])
+    assert consoles == {"apiGroups": ["subresources.kubevirt.io"], "resourceNames": ["vm"], "verbs": ["get"],
+                        "resources": ["virtualmachineinstances/console", "virtualmachineinstances/vnc"]}
+
+
+def test_a_pool_role_grants_each_members_screen_and_no_other() -> None:
+    role = desired.desired_pool_role("ns", "lab", [bmc()], [(bmc(), "vm", []), (bmc(), "other", [])])
+    screens = [r for r in role["rules"] if "virtualmachineinstances/vnc" in r["resources"]]
+    assert [sorted(r["resourceNames"]) for r in screens] == [["other", "vm"]]
+    assert screens[0]["apiGroups"] == ["subresources.kubevirt.io"] and screens[0]["verbs"] == ["get"]
 
 
 @pytest.mark.parametrize(("spec", "ports"), [
