@@ -17,7 +17,8 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# The IPMI clients the tests drive (ipmitool, freeipmi-tools): apt-get installs them when missing (sudo if not root).
+# The clients the tests drive (ipmitool, freeipmi-tools, chromium and chromium-driver): apt-get installs them when
+# missing (sudo if not root).
 clients:
 	scripts/install-clients.sh
 

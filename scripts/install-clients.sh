@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The real IPMI clients the tests drive (ipmitool; freeipmi's ipmipower, ipmi-chassis, bmc-info), installed from
-# Debian/Ubuntu packages when one is missing. Used by `make test` and by CI (.ci/run). Does nothing when every
+# The real clients the tests drive (ipmitool; freeipmi's ipmipower, ipmi-chassis, bmc-info; Chromium and its
+# WebDriver for the BMC's page), installed from Debian/Ubuntu packages when one is missing. Used by `make test` and by CI (.ci/run). Does nothing when every
 # client is present; uses sudo only when not root.
 set -euo pipefail
 
@@ -10,6 +10,8 @@ declare -A package_of=(
   [ipmipower]=freeipmi-tools
   [ipmi-chassis]=freeipmi-tools
   [bmc-info]=freeipmi-tools
+  [chromium]=chromium
+  [chromedriver]=chromium-driver
 )
 
 missing=()

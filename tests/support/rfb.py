@@ -115,21 +115,27 @@ class RfbClient:
         return sum(1 for i in range(0, len(self.pixels), 4) if self.pixels[i:i + 3] != b"\0\0\0")
 
     def text(self) -> str:
-        """The screen read as kubesim's text console: each 8x16 cell matched against its font (lit pixels are
-        the glyph's), "?" for a cell that matches no glyph."""
-        glyphs = {font.glyph(c): chr(c) for c in range(font.FIRST, font.LAST + 1)}
-        lines = []
-        for top in range(0, self.height - font.HEIGHT + 1, font.HEIGHT):
-            chars = []
-            for left in range(0, self.width - font.WIDTH + 1, font.WIDTH):
-                rows = []
-                for y in range(top, top + font.HEIGHT):
-                    bits = 0
-                    for x in range(left, left + font.WIDTH):
-                        i = (y * self.width + x) * 4
-                        bits = bits << 1 | (self.pixels[i:i + 3] != b"\0\0\0")
-                    rows.append(bits)
-                cursor = rows[:-2] == [0] * (font.HEIGHT - 2) and rows[-2:] == [0xFF, 0xFF]
-                chars.append(" " if cursor else glyphs.get(bytes(rows), "?"))
-            lines.append("".join(chars).rstrip())
-        return "\n".join(lines).rstrip("\n")
+        """The screen read as kubesim's text console (see screen_text)."""
+        return screen_text(bytes(self.pixels), self.width, self.height)
+
+
+def screen_text(pixels: bytes, width: int, height: int) -> str:
+    """Pixels (4 bytes each, red, green and blue first, as here and in a canvas's ImageData) read as kubesim's text
+    console: each 8x16 cell matched against its font (lit pixels are the glyph's), "?" for a cell that matches no
+    glyph, " " for the cursor."""
+    glyphs = {font.glyph(c): chr(c) for c in range(font.FIRST, font.LAST + 1)}
+    lines = []
+    for top in range(0, height - font.HEIGHT + 1, font.HEIGHT):
+        chars = []
+        for left in range(0, width - font.WIDTH + 1, font.WIDTH):
+            rows = []
+            for y in range(top, top + font.HEIGHT):
+                bits = 0
+                for x in range(left, left + font.WIDTH):
+                    i = (y * width + x) * 4
+                    bits = bits << 1 | (pixels[i:i + 3] != b"\0\0\0")
+                rows.append(bits)
+            cursor = rows[:-2] == [0] * (font.HEIGHT - 2) and rows[-2:] == [0xFF, 0xFF]
+            chars.append(" " if cursor else glyphs.get(bytes(rows), "?"))
+        lines.append("".join(chars).rstrip())
+    return "\n".join(lines).rstrip("\n")

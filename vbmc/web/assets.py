@@ -20,10 +20,14 @@ CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; c
                  ".mjs": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
                  ".png": "image/png", ".svg": "image/svg+xml", ".txt": "text/plain; charset=utf-8",
                  ".json": "application/json"}
-# 'self' in connect-src covers ws: and wss: to the same host (CSP Level 3). Styles: xterm.js and noVNC set style
-# properties from script (allowed); no inline <style> or style attribute is needed.
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; font-src 'self'; "
-       "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+# Scripts only from the agent, no inline script, nothing from elsewhere. 'self' in connect-src covers ws: and wss:
+# to the same host (CSP Level 3). One relaxation: xterm.js (6.0) writes its cell sizes and colours into <style>
+# elements it creates, which style-src-elem must allow ('unsafe-inline' there: CSS, never script; the page puts no
+# markup of anyone's into the document, only text). Style attributes stay refused (style-src-attr falls back to
+# style-src 'self'); xterm.js and noVNC set style properties from script, which CSP does not govern.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; style-src-elem 'self' 'unsafe-inline'; "
+       "img-src 'self' data: blob:; font-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+       "frame-ancestors 'none'")
 SECURITY_HEADERS = [(b"content-security-policy", CSP.encode()), (b"x-content-type-options", b"nosniff"),
                     (b"referrer-policy", b"no-referrer"), (b"x-frame-options", b"DENY"),
                     (b"cross-origin-opener-policy", b"same-origin")]
