@@ -297,7 +297,8 @@ def test_the_endpoints_name_the_load_balancer_else_the_cluster_ip(observed: Obse
     assert status["clusterIP"] == observed.cluster_ip
     assert status["endpoints"] == {"ipmi": f"{host}:623", "metal3IPMI": f"ipmi://{host}:623",
                                    "redfish": f"https://{host}/redfish/v1/Systems/vm",
-                                   "metal3Redfish": f"redfish-virtualmedia+https://{host}/redfish/v1/Systems/vm"}
+                                   "metal3Redfish": f"redfish-virtualmedia+https://{host}/redfish/v1/Systems/vm",
+                                   "web": f"https://{host}/"}
 
 
 def test_status_patch_never_touches_boot_override_and_nulls_what_is_gone() -> None:
