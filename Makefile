@@ -47,6 +47,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/apply.py
 	$(BIN)/python bench/redfish_fuzz.py
 	$(BIN)/python bench/ipmi_fuzz.py
+	$(BIN)/python bench/consoles.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

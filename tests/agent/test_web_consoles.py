@@ -155,11 +155,13 @@ def read_until(ws: websocket.WebSocket, needle: bytes, timeout: float = 5) -> by
 
 
 def closed_with(ws: websocket.WebSocket, timeout: float = 5) -> tuple[int, str]:
+    """The code and reason of the server's close frame (read as a frame: the server may have gone already, so no
+    close is sent back)."""
     deadline = time.monotonic() + timeout
     while True:
         ws.settimeout(max(0.01, deadline - time.monotonic()))
-        opcode, frame = ws.recv_data_frame()
-        if opcode == websocket.ABNF.OPCODE_CLOSE:
+        frame = ws.recv_frame()
+        if frame.opcode == websocket.ABNF.OPCODE_CLOSE:
             return int.from_bytes(frame.data[:2], "big"), frame.data[2:].decode()
         assert time.monotonic() < deadline
 

@@ -61,6 +61,7 @@ def web_viewer(agent: AgentProcess) -> websocket.WebSocket:
                                        subprotocols=["kubevbmc", f"x-auth-token.{token}"], timeout=5)
 
 
+@pytest.mark.timeout(SECONDS + 90)
 def test_sol_types_and_reads_for_minutes_through_resets_and_the_line_never_breaks(
         agent: AgentProcess, api: client.ApiClient, namespace: str) -> None:
     run(agent, "power", "on")

@@ -36,9 +36,9 @@ from typing import Any
 
 from ..access import audit
 from ..access.throttle import LoginThrottle
-from ..machine.console import SerialHub, TooManyViewers
+from ..machine.console import SerialHub, SerialViewer, TooManyViewers
 from ..machine.rfb import RfbError
-from ..machine.screen import ScreenHub
+from ..machine.screen import ScreenHub, ScreenViewer
 from ..redfish.sessions import Session, SessionStore
 
 log = logging.getLogger("vbmc.web")
@@ -199,17 +199,13 @@ class Consoles:
         def attached(available: bool, why: str) -> None:
             outbox.put(status_message(kind, available, why))
 
+        viewer: SerialViewer | ScreenViewer
         try:
             if kind == "serial":
-                serial = self.serial.join(outbox.put, attached, replay=True)
-                feed: Callable[[bytes], Any] = serial.send
-                leave = serial.leave
-                ended: Callable[[], str] = lambda: ""  # noqa: E731
+                viewer = self.serial.join(outbox.put, attached, replay=True)
             else:
                 assert self.screen is not None
-                screen = self.screen.join(outbox.put, attached)
-                feed, leave = screen.feed, screen.leave
-                ended = lambda: screen.ended  # noqa: E731
+                viewer = self.screen.join(outbox.put, attached)
         except TooManyViewers as exc:
             return await self._deny(send, Refusal(503, str(exc)), f"open {kind} console", actor,
                                     [(b"retry-after", b"10")])
@@ -218,17 +214,19 @@ class Consoles:
         why = "closed by the viewer"
         try:
             await send({"type": "websocket.accept", "subprotocol": decided.subprotocol})
-            why = await self._run(kind, session, decided.token, feed, ended, outbox, send, receive)
+            why = await self._run(kind, session, decided.token, viewer, outbox, send, receive)
         except OSError:
             why = "the connection ended"
         finally:
-            leave()
+            viewer.leave()
             audit.record(f"{kind} console", self.vm, f"closed: {why}", time.monotonic() - started, actor=actor)
 
-    async def _run(self, kind: str, session: Session, token: str, feed: Callable[[bytes], Any],
-                   ended: Callable[[], str], outbox: _Outbox, send: Send, receive: Receive) -> str:
+    async def _run(self, kind: str, session: Session, token: str, viewer: SerialViewer | ScreenViewer,
+                   outbox: _Outbox, send: Send, receive: Receive) -> str:
         """Carry the console until either side ends it; why it ended."""
         closing: tuple[int, str] | None = None
+        # A serial viewer types on the line; a screen viewer's bytes are RFB for the hub to read.
+        feed = viewer.send if isinstance(viewer, SerialViewer) else viewer.feed
 
         async def reader() -> str:
             nonlocal closing
@@ -261,7 +259,7 @@ class Consoles:
                     await send({"type": "websocket.send", "bytes": item})
                 else:
                     await send({"type": "websocket.send", "text": item})
-                    gone = ended()
+                    gone = viewer.ended if isinstance(viewer, ScreenViewer) else ""
                     if gone:
                         closing = (1011, gone[:120])
                         return gone
@@ -286,6 +284,7 @@ class Consoles:
         finally:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         if closing is not None:
             with contextlib.suppress(OSError, RuntimeError):
                 await send({"type": "websocket.close", "code": closing[0], "reason": closing[1]})
