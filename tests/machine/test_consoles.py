@@ -391,3 +391,25 @@ def test_the_bmc_leaves_the_screen_to_another_vnc_client(kubevirt_machine: KubeV
     rfb.handshake()
     until(rfb, lambda r: r.text().endswith("vm login:"), "the prompt")
     viewer.leave()
+
+
+def test_ctrl_alt_del_from_a_viewer_reboots_the_guest(kubevirt_machine: KubeVirtMachine, api: client.ApiClient,
+                                                     namespace: str) -> None:
+    serial = SerialHub(kubevirt_machine, "vm")
+    seen = Seen()
+    line = serial.join(seen.output, seen.attached)
+    hub = ScreenHub(kubevirt_machine, "vm")
+    rfb, viewer, states = rfb_viewer(hub)
+    rfb.handshake()
+    wait_for(lambda: states.states[-1] == (True, "attached"), what="the screen attached")
+    until(rfb, lambda r: r.text().endswith("vm login:"), "the prompt")
+    rfb.type("hello")
+    reset_vmi(api, namespace)
+    until(rfb, lambda r: r.text().endswith("vm login:"), "the prompt after the reset")
+    for keysym in (0xFFE3, 0xFFE9, 0xFFFF):
+        rfb.key(keysym, True)
+    for keysym in (0xFFFF, 0xFFE9, 0xFFE3):
+        rfb.key(keysym, False)
+    wait_for(lambda: b"reboot: Restarting system" in seen.text(), what="the guest rebooting")
+    viewer.leave()
+    line.leave()

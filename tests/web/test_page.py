@@ -71,7 +71,8 @@ def power_pill(driver: Any) -> str:
 
 
 def terminal(driver: Any) -> str:
-    return text_of(driver, "#terminal .xterm-rows")
+    """The serial terminal's text (its buffer: xterm.js draws only rows that are on screen)."""
+    return str(driver.execute_script("return kubevbmc.serialText()"))
 
 
 def screen(driver: Any) -> tuple[str, int]:
@@ -116,6 +117,12 @@ def test_the_page_drives_the_vm_and_shows_its_consoles(agent: AgentProcess, brow
         *screen(d)), "the screen redrawn by the reset")
     assert "the machine is off" not in text_of(browser, "#screen-status")
 
+    # Ctrl-Alt-Del reaches the guest (it reboots: the serial line says so), and the screen can be saved.
+    browser.find_element(By.ID, "ctrl-alt-del").click()
+    until(browser, lambda d: "reboot: Restarting system" in terminal(d), "the guest rebooting on Ctrl-Alt-Del")
+    browser.find_element(By.ID, "screenshot").click()
+    assert browser.find_element(By.ID, "screenshot-link").get_attribute("href").startswith("data:image/png;base64,")
+
     # Virtual media: insert an image and follow its task to the end.
     image = f"{image_server.base}/installer.iso"
     browser.find_element(By.ID, "media-Cd-image").send_keys(image)
@@ -130,6 +137,14 @@ def test_the_page_drives_the_vm_and_shows_its_consoles(agent: AgentProcess, brow
     wait_for(lambda: printable(api, namespace) == "Stopped", timeout=20, what="the VM stopped")
     until(browser, lambda d: power_pill(d) == "Power: Off", "the VM shown off again")
     until(browser, lambda d: "not available" in text_of(d, "#serial-status"), "the serial console told of it")
+    until(browser, lambda d: "not available" in text_of(d, "#screen-status"), "the screen told of it")
+
+    # Power on again from the page: both consoles come back by themselves, on the new VMI.
+    browser.find_element(By.CSS_SELECTOR, '[data-reset="On"]').click()
+    until(browser, lambda d: text_of(d, "#screen-status") == "Connected to the screen.", "the screen back",
+          timeout=40)
+    until(browser, lambda d: screen(d)[0].endswith("vm login:"), "the new boot's prompt on the screen")
+    until(browser, lambda d: text_of(d, "#serial-status") == "Connected to the serial console.", "the line back")
 
     # Logging out closes both consoles.
     browser.find_element(By.ID, "logout").click()

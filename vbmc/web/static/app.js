@@ -377,6 +377,7 @@ window.kubevbmc = {
   get serial() { return serial.state; },
   get screen() { return screen.state; },
   get loggedIn() { return Boolean(redfish.token); },
+  serialText() { return serial.text(); },
 };
 
 $("username").focus();

@@ -72,6 +72,19 @@ export class SerialConsole {
     };
   }
 
+  // What the terminal holds, scrollback included, one line per row (xterm.js draws only what is on screen).
+  text() {
+    if (!this.terminal) {
+      return "";
+    }
+    const buffer = this.terminal.buffer.active;
+    const lines = [];
+    for (let i = 0; i < buffer.length; i++) {
+      lines.push(buffer.getLine(i).translateToString(true));
+    }
+    return lines.join("\n").replace(/\n+$/, "");
+  }
+
   type(data) {
     if (this.socket && this.socket.readyState === WebSocket.OPEN) {
       this.socket.send(new TextEncoder().encode(data));
