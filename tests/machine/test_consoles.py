@@ -3,7 +3,6 @@ an RFB server to every viewer), over MemoryMachine and over KubeVirtMachine on k
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import struct
 import threading
@@ -339,9 +338,8 @@ def rfb_viewer(hub: ScreenHub) -> tuple[test_rfb.RfbClient, Any, Seen]:
 def until(rfb: test_rfb.RfbClient, check: Callable[[test_rfb.RfbClient], bool], what: str,
           timeout: float = 10) -> None:
     def look() -> bool:
-        rfb.request()
-        with contextlib.suppress(TimeoutError):  # nothing changed yet
-            rfb.read_update(timeout=0.5)
+        rfb.request(incremental=False)  # answered at once, whether anything changed or not
+        rfb.read_update(timeout=5)
         return check(rfb)
 
     wait_for(look, timeout=timeout, what=what)
@@ -404,6 +402,7 @@ def test_ctrl_alt_del_from_a_viewer_reboots_the_guest(kubevirt_machine: KubeVirt
     wait_for(lambda: states.states[-1] == (True, "attached"), what="the screen attached")
     until(rfb, lambda r: r.text().endswith("vm login:"), "the prompt")
     rfb.type("hello")
+    until(rfb, lambda r: r.text().endswith("vm login: hello"), "the keys on the screen")
     reset_vmi(api, namespace)
     until(rfb, lambda r: r.text().endswith("vm login:"), "the prompt after the reset")
     for keysym in (0xFFE3, 0xFFE9, 0xFFFF):

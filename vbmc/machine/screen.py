@@ -112,6 +112,7 @@ class ScreenHub:
             bridge = self._bridge if not self._viewers else None
             if bridge is not None:
                 self._bridge = None
+                self.framebuffer.blank()  # nobody looks: no copy of the screen kept
         if bridge is not None:
             bridge.stop()
 
