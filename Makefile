@@ -17,8 +17,8 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# The tools the tests drive (ipmitool, freeipmi-tools, podman, runc, mmdebstrap, promtool): apt-get installs them
-# when missing (sudo if not root).
+# The tools the tests drive (ipmitool, freeipmi-tools, podman, runc, mmdebstrap, promtool, chromium and
+# chromium-driver): apt-get installs them when missing (sudo if not root).
 clients:
 	scripts/install-clients.sh
 
@@ -52,6 +52,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/apply.py
 	$(BIN)/python bench/redfish_fuzz.py
 	$(BIN)/python bench/ipmi_fuzz.py
+	$(BIN)/python bench/consoles.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -138,8 +138,10 @@ def desired_role(bmc: Obj, vm: str, cdroms: list[str]) -> Obj:
             "virtualmachineinstances/pause", "virtualmachineinstances/unpause",
             "virtualmachineinstances/softreboot", "virtualmachineinstances/reset"],
          "resourceNames": [vm], "verbs": ["update"]},
-        # IPMI SOL: the serial console, a WebSocket GET (virtctl console needs the same).
-        {"apiGroups": ["subresources.kubevirt.io"], "resources": ["virtualmachineinstances/console"],
+        # IPMI SOL and the web consoles: the serial console and the screen, WebSocket GETs (virtctl console and
+        # virtctl vnc need the same).
+        {"apiGroups": ["subresources.kubevirt.io"], "resources": [
+            "virtualmachineinstances/console", "virtualmachineinstances/vnc"],
          "resourceNames": [vm], "verbs": ["get"]},
         {"apiGroups": ["bmc.kubevirt.io"], "resources": ["virtualmachinebmcs"], "resourceNames": [bmc_name],
          "verbs": ["get", "list", "watch"]},

@@ -118,6 +118,7 @@ def endpoints(spec: BMCSpec, host: str, vm: str) -> Obj:
     if spec.redfish.enabled:
         out["redfish"] = f"https://{host}/redfish/v1/Systems/{vm}"
         out["metal3Redfish"] = f"redfish-virtualmedia+https://{host}/redfish/v1/Systems/{vm}"
+        out["web"] = f"https://{host}/"  # the BMC's page (vbmc/web)
     return out
 
 

@@ -1,4 +1,5 @@
-"""The VMIs' serial consoles: the guest end of virt-api's `virtualmachineinstances/console` WebSocket.
+"""The VMIs' serial consoles: the guest end of virt-api's `virtualmachineinstances/console` WebSocket (and the
+guest behind each VMI's screen, whose RFB side is kubesim/screen.py).
 
 One `SerialLine` per VMI uid (a VMI that is stopped and started again, or restarted, is a new VMI and a new line).
 When the VMI is Running its guest "boots" at once: the firmware, the device it boots from (the VMI's boot order,
@@ -26,6 +27,9 @@ import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
+
+from .screen import ACTIVE_SESSION, ScreenClient, TextScreen
+from .screen import TAKEN_OVER as SCREEN_TAKEN_OVER
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -171,10 +175,18 @@ class Domain:
     stopping: bool  # the VMI is being deleted: the guest is shutting down
     paused: bool
     spec: Obj
+    graphics: bool = True  # a graphics device is attached (`autoattachGraphicsDevice` is not false)
+
+
+class ScreenBusy(Exception):
+    """Another client holds the screen and this one asked to preserve that session."""
+
+    message = ACTIVE_SESSION
 
 
 class SerialLine:
-    """One VMI's serial port: the guest writes to it, at most one client reads it and types into it."""
+    """One VMI's guest and its consoles: its serial port (the guest writes to it, at most one client reads it and
+    types into it) and its screen (kubesim/screen.py: a text console with its own getty, at most one client)."""
 
     def __init__(self, namespace: str, name: str, uid: str) -> None:
         self.namespace, self.name, self.uid = namespace, name, uid
@@ -185,6 +197,10 @@ class SerialLine:
         self._paused = False
         self._held = bytearray()  # input that arrived while paused: the guest reads it once it runs again
         self._stopping = False
+        self._spec: Obj = {}
+        self.screen = TextScreen()
+        self._screen_tty: GuestTty | None = None  # tty1's getty, on the screen
+        self._screen_client: ScreenClient | None = None
         self.ended = ""  # why the line went away; "" while it is up
 
     def __repr__(self) -> str:
@@ -199,11 +215,15 @@ class SerialLine:
     def reboot(self, spec: Obj, soft: bool) -> None:
         """A soft reboot (the guest restarts itself) or a reset (the firmware starts over at once)."""
         with self._lock:
-            if self.ended or self._stopping:
-                return
-            if soft:
-                self._emit(REBOOT_TEXT)
-            self._boot(spec)
+            self._reboot(spec, soft)
+
+    def _reboot(self, spec: Obj, soft: bool) -> None:
+        if self.ended or self._stopping:
+            return
+        if soft:
+            self._emit(REBOOT_TEXT)
+            self._show(REBOOT_TEXT)
+        self._boot(spec)
 
     def shut_down(self) -> None:
         """The guest powers off (an ACPI shutdown); the line stays until the domain is gone."""
@@ -211,8 +231,9 @@ class SerialLine:
             if self.ended or self._stopping:
                 return
             self._stopping = True
-            self._tty = None
+            self._tty = self._screen_tty = None
             self._emit(SHUTDOWN_TEXT)
+            self._show(SHUTDOWN_TEXT)
 
     def set_paused(self, paused: bool) -> None:
         with self._lock:
@@ -227,16 +248,28 @@ class SerialLine:
             if self.ended:
                 return
             self.ended = reason
-            self._tty = None
+            self._tty = self._screen_tty = None
             if self._client is not None:
                 self._client.wake()
+            if self._screen_client is not None:
+                self._screen_client.end(reason)
         log.info("vmi %s/%s: serial console closed (%s)", self.namespace, self.name, reason)
 
     def _boot(self, spec: Obj) -> None:
+        self._spec = spec
         text, up = boot_text(self.name, spec)
         self._tty = GuestTty(self.name) if up else None
+        self._screen_tty = GuestTty(self.name) if up else None
         self._held.clear()
         self._emit(text)
+        self.screen.clear()  # the firmware starts with a blank screen
+        self._show(text)
+
+    def _show(self, data: bytes) -> None:
+        self.screen.write(data)
+        if self._screen_client is not None and self.screen.changed:
+            self._screen_client.damaged(self.screen.changed)
+        self.screen.changed = set()
 
     def _emit(self, data: bytes) -> None:
         self._pending += data
@@ -250,6 +283,43 @@ class SerialLine:
             self._held += data[:max(INPUT_LIMIT - len(self._held), 0)]
         elif self._tty is not None:
             self._emit(self._tty.receive(data))
+
+    def _screen_keys(self, data: bytes) -> None:
+        """Keys typed on the screen (under the lock): tty1's getty reads them; a paused guest reads nothing."""
+        if not self._paused and self._screen_tty is not None and not self.ended:
+            self._show(self._screen_tty.receive(data))
+
+    def _ctrl_alt_del(self) -> None:
+        log.info("vmi %s/%s: Ctrl-Alt-Del on the screen: the guest reboots", self.namespace, self.name)
+        self._reboot(self._spec, soft=True)
+
+    # ---- the screen's client
+
+    def attach_screen(self, preserve: bool) -> ScreenClient:
+        """A new VNC client; the one before, if any, is disconnected, unless `preserve` asks to leave it be (then
+        ScreenBusy)."""
+        with self._lock:
+            previous = self._screen_client
+            if previous is not None and preserve:
+                raise ScreenBusy(ACTIVE_SESSION)
+            client = ScreenClient(f"{self.namespace}_{self.name}", self.screen, self._lock, self._screen_keys,
+                                  self._ctrl_alt_del, self._detach_screen)
+            self._screen_client = client
+            if previous is not None:
+                previous.end(SCREEN_TAKEN_OVER)
+            if self.ended:
+                client.end(self.ended)
+        log.info("vmi %s/%s: VNC client connected%s", self.namespace, self.name,
+                 " (took over from the previous client)" if previous is not None else "")
+        return client
+
+    def screen_busy(self) -> bool:
+        with self._lock:
+            return self._screen_client is not None
+
+    def _detach_screen(self, client: ScreenClient) -> None:
+        if client is self._screen_client:
+            self._screen_client = None
 
     # ---- the client's side
 
@@ -345,7 +415,7 @@ class SerialConsoles:
         key = (namespace, name)
         with self._lock:
             line = self._lines.get(key)
-            up = domain is not None and domain.running and domain.serial
+            up = domain is not None and domain.running and (domain.serial or domain.graphics)
             if line is not None and (not up or domain is None or line.uid != domain.uid):
                 del self._lines[key]
                 self._forget(line.uid)

@@ -10,8 +10,9 @@
   volumes (pkg/storage/hotplug/hotplug.go, DeclarativeHotplugVolumes, beta in KubeVirt 1.9).
 - the VMI side (virt-controller's VMI controller plus virt-handler): phases Pending → Scheduling → Scheduled →
   Running after `vm_start_delay`, interfaces, volume status, ACPI shutdown bounded by the grace period.
-- the serial console (`virtualmachineinstances/console`, a WebSocket): virt-api's checks here, the guest's serial
-  line in kubesim/console.py, kept in step with each VMI by virt-handler's `SerialConsoleController`.
+- the serial console and the screen (`virtualmachineinstances/console` and `vnc`, WebSockets): virt-api's checks
+  here, the guest's serial line in kubesim/console.py and its screen (RFB 3.8) in kubesim/screen.py, kept in step
+  with each VMI by virt-handler's `SerialConsoleController`.
 
 Decisions are pure functions (table-tested in tests/sim/test_kubevirt.py); the loops only read, decide, write.
 """
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import errors
-from .console import Domain, SerialConsoles
+from .console import Domain, ScreenBusy, SerialConsoles
 from .kubelet import NODE_NAME
 from .loop import ControlLoop
 from .objects import clone, drop_finalizer, now, set_condition
@@ -77,6 +78,9 @@ PAUSED_READINESS_GATE = "kubevirt.io/virtual-machine-unpaused"
 CONSOLE_SUBPROTOCOL = "plain.kubevirt.io"
 NO_SERIAL_CONSOLE = "No serial consoles are present."
 VMI_FAILED = "VMI is in failed status"
+# vnc.go (vmiHasDisplay) and virt-handler's VNCHandler, which virt-api relays (kubesim/screen.py says how).
+NO_GRAPHICS = "No graphics devices are present."
+PRESERVE_SESSION = "preserveSession"
 
 
 # ---------------------------------------------------------------- small readers
@@ -197,7 +201,8 @@ def console_domain(vmi: Obj | None) -> Domain | None:
     devices = (_spec(vmi).get("domain") or {}).get("devices") or {}
     return Domain(uid=state.uid, running=state.phase == RUNNING,
                   serial=devices.get("autoattachSerialConsole") is not False, stopping=state.deleting,
-                  paused=state.paused, spec=_spec(vmi))
+                  paused=state.paused, spec=_spec(vmi),
+                  graphics=devices.get("autoattachGraphicsDevice") is not False)
 
 
 def vm_conflict(name: str, why: str) -> errors.ApiError:
@@ -1294,7 +1299,8 @@ class VirtApi:
                       for s in ("pause", "unpause", "softreboot", "reset")]
         console = Stream("virtualmachineinstances/console", "VirtualMachineInstance", (CONSOLE_SUBPROTOCOL,),
                          self.console)
-        return SubresourceAPI(SUBRESOURCE_GROUP, "v1", resources, self.handle, [console])
+        vnc = Stream("virtualmachineinstances/vnc", "VirtualMachineInstance", (CONSOLE_SUBPROTOCOL,), self.vnc)
+        return SubresourceAPI(SUBRESOURCE_GROUP, "v1", resources, self.handle, [console, vnc])
 
     def handle(self, method: str, namespace: str, resource: str, name: str, sub: str, body: Any) -> tuple[int, Any]:
         handlers: dict[tuple[str, str], Callable[[str, str, Any], tuple[int, Any]]] = {
@@ -1484,7 +1490,32 @@ class VirtApi:
         self.consoles.reboot(namespace, name, str(_meta(vmi).get("uid")), _spec(vmi), soft=False)
         return 200, None
 
-    def console(self, namespace: str, name: str) -> Callable[[], StreamPeer]:
+    def vnc(self, namespace: str, name: str, query: dict[str, str] | None = None) -> Callable[[], StreamPeer]:
+        """VNCRequestHandler (pkg/virt-api/rest/vnc.go): vmiHasDisplay's checks (no graphics device: 400; not
+        Running: 400), then virt-handler's: one client per VMI, the one before disconnected unless this one asks
+        `preserveSession=true` (then refused while another is connected). strconv.ParseBool reads the flag."""
+        vmi = self._vmi(namespace, name)
+        devices = (_spec(vmi).get("domain") or {}).get("devices") or {}
+        if devices.get("autoattachGraphicsDevice") is False:
+            raise errors.bad_request(NO_GRAPHICS)
+        if _status(vmi).get("phase") != RUNNING:
+            raise errors.bad_request(VMI_NOT_RUNNING)
+        line = self.consoles.settle(namespace, name, console_domain(vmi))
+        if line is None:
+            raise errors.bad_request(VMI_NOT_RUNNING)
+        preserve = (query or {}).get(PRESERVE_SESSION, "") in ("1", "t", "T", "TRUE", "true", "True")
+
+        def attach() -> StreamPeer:
+            try:
+                return line.attach_screen(preserve)
+            except ScreenBusy as exc:
+                raise errors.ApiError(500, "InternalError", exc.message) from None
+
+        if preserve and line.screen_busy():  # refused now, before any upgrade
+            raise errors.ApiError(500, "InternalError", ScreenBusy.message)
+        return attach
+
+    def console(self, namespace: str, name: str, query: dict[str, str] | None = None) -> Callable[[], StreamPeer]:
         """validateVMIForConsole (pkg/virt-api/rest/console.go); then the client attaches to the VMI's line,
         taking over from any client before it, as virt-handler lets a new connection do."""
         vmi = self._vmi(namespace, name)

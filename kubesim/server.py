@@ -62,14 +62,14 @@ class StreamPeer(Protocol):
 
 @dataclass
 class Stream:
-    """A subresource served as a WebSocket on GET (virt-api's `virtualmachineinstances/console`)."""
+    """A subresource served as a WebSocket on GET (virt-api's `virtualmachineinstances/console` and `vnc`)."""
 
     name: str  # resource/sub
     kind: str
     subprotocols: tuple[str, ...]  # the ones the server speaks, chosen from what the client offers
-    # connect(namespace, name) checks the request (raising an ApiError, answered before any upgrade) and returns
-    # what opens the stream once the upgrade is answered.
-    connect: Callable[[str, str], Callable[[], StreamPeer]]
+    # connect(namespace, name, query) checks the request (raising an ApiError, answered before any upgrade) and
+    # returns what opens the stream once the upgrade is answered.
+    connect: Callable[[str, str, dict[str, str]], Callable[[], StreamPeer]]
 
 
 @dataclass
@@ -733,7 +733,7 @@ class _Handler(BaseHTTPRequestHandler):
         """virt-api's websocketStreamRequestHandler: the request is checked first (a Status, as any error), then
         the upgrade (gorilla/websocket's checks and messages), then the stream runs on this connection until
         either end closes it or the server stops."""
-        open_peer = stream.connect(namespace, name)
+        open_peer = stream.connect(namespace, name, self.query)
         key = self._websocket_key()
         offered = [p.strip() for p in self.fields.get("Sec-WebSocket-Protocol").split(",") if p.strip()]
         chosen = next((p for p in offered if p in stream.subprotocols), "")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The real tools the tests drive, installed from Debian/Ubuntu packages when one is missing: the IPMI clients
 # (ipmitool; freeipmi's ipmipower, ipmi-chassis, bmc-info), what builds and runs the image (podman with runc, and
-# mmdebstrap for a base where no registry answers) and promtool (Prometheus' rule checker, in Debian's prometheus
-# package). Used by `make test` and by CI (.ci/run). Does nothing when every tool is present; uses sudo only when
-# not root.
+# mmdebstrap for a base where no registry answers), promtool (Prometheus' rule checker, in Debian's prometheus
+# package) and Chromium with its WebDriver (the BMC's page). Used by `make test` and by CI (.ci/run). Does nothing
+# when every tool is present; uses sudo only when not root.
 set -euo pipefail
 
 # command -> the Debian package that provides it
@@ -16,6 +16,8 @@ declare -A package_of=(
   [runc]=runc
   [mmdebstrap]=mmdebstrap
   [promtool]=prometheus
+  [chromium]=chromium
+  [chromedriver]=chromium-driver
 )
 
 missing=()

@@ -9,6 +9,8 @@ checks it):
   cache).
 - `ipmi`, `redfish`: the protocol frontends. Each speaks only to a Machine, never to Kubernetes, and neither
   imports the other.
+- `web`: the BMC in a browser: its page (a Redfish client of its own BMC) and its consoles as WebSockets (the
+  serial line and the screen). Imports `redfish` for its sessions.
 - `agent`: the agent process: one composition of a BMC (Machine, IPMI server, Redfish app, listeners,
   certificate, throttle, metrics, probes), served alone (`kubevbmc agent`) or many to a process (`--pool`).
 - `cli`, `demo`: entry points (the demo also starts kubesim and the controller).

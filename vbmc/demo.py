@@ -150,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
         for bmc in sorted(bmcs, key=lambda b: b["metadata"]["name"]):
             endpoints = (bmc.get("status") or {}).get("endpoints") or {}
             print(f"bmc {ns}/{bmc['spec']['virtualMachineRef']['name']} ipmi={endpoints.get('ipmi')} "
-                  f"redfish={endpoints.get('redfish')} username={USERNAME} password={PASSWORD}")
+                  f"redfish={endpoints.get('redfish')} web={endpoints.get('web')} username={USERNAME} "
+                  f"password={PASSWORD}")
         first = (bmcs[0].get("status") or {}).get("endpoints") or {}
         host = str(first.get("ipmi", "")).rsplit(":", 1)[0]
         if args.pool:
@@ -165,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  ipmitool -I lanplus -H {host} -U {USERNAME} -P {PASSWORD} power on")
         print(f"  ipmitool -I lanplus -H {host} -U {USERNAME} -P {PASSWORD} sol activate   # serial console; ~. leaves")
         print(f"  curl -k -u {USERNAME}:{PASSWORD} {first.get('redfish')}")
+        print(f"  open {first.get('web')} in a browser: log in as {USERNAME}; the serial console, the screen and "
+              "the buttons (accept the self-signed certificate)")
         print(f"  KUBECONFIG={cluster.kubeconfig} {Path(sys.executable).parent / 'kubectl'} get vm,vmbmc -A")
         print("ready", flush=True)
         # With a timeout: a signal the kernel delivers to another thread leaves a main thread blocked on a lock

@@ -25,7 +25,7 @@ def test_ipmitool_and_redfish_through_the_service_of_a_ready_bmc(api: client.Api
     ip = status["clusterIP"]
     assert status["endpoints"] == {
         "ipmi": f"{ip}:623", "metal3IPMI": f"ipmi://{ip}:623", "redfish": f"https://{ip}/redfish/v1/Systems/vm",
-        "metal3Redfish": f"redfish-virtualmedia+https://{ip}/redfish/v1/Systems/vm"}
+        "metal3Redfish": f"redfish-virtualmedia+https://{ip}/redfish/v1/Systems/vm", "web": f"https://{ip}/"}
 
     on = ipmitool(ip, "power", "on")
     assert on.returncode == 0, on.stderr
@@ -68,7 +68,8 @@ def test_a_load_balancer_bmc_is_named_by_its_ingress_address_in_the_status_and_t
     assert status["endpoints"] == {
         "ipmi": f"{external}:623", "metal3IPMI": f"ipmi://{external}:623",
         "redfish": f"https://{external}/redfish/v1/Systems/vm",
-        "metal3Redfish": f"redfish-virtualmedia+https://{external}/redfish/v1/Systems/vm"}
+        "metal3Redfish": f"redfish-virtualmedia+https://{external}/redfish/v1/Systems/vm",
+        "web": f"https://{external}/"}
 
     result = ipmitool(external, "power", "status")
     assert result.returncode == 0 and "Chassis Power is off" in result.stdout, result.stderr

@@ -62,6 +62,16 @@ def test_the_role_names_only_this_vm_its_vmi_datavolumes_and_bmc() -> None:
     unnamed = [(tuple(r["resources"]), tuple(r["verbs"])) for r in rules if "resourceNames" not in r]
     # create cannot be restricted by name in RBAC; nothing else is namespace-wide
     assert all(verbs == ("create",) for _, verbs in unnamed)
+    consoles = next(r for r in rules if "virtualmachineinstances/vnc" in r["resources"])
+    assert consoles == {"apiGroups": ["subresources.kubevirt.io"], "resourceNames": ["vm"], "verbs": ["get"],
+                        "resources": ["virtualmachineinstances/console", "virtualmachineinstances/vnc"]}
+
+
+def test_a_pool_role_grants_each_members_screen_and_no_other() -> None:
+    role = desired.desired_pool_role("ns", "lab", [bmc()], [(bmc(), "vm", []), (bmc(), "other", [])])
+    screens = [r for r in role["rules"] if "virtualmachineinstances/vnc" in r["resources"]]
+    assert [sorted(r["resourceNames"]) for r in screens] == [["other", "vm"]]
+    assert screens[0]["apiGroups"] == ["subresources.kubevirt.io"] and screens[0]["verbs"] == ["get"]
 
 
 @pytest.mark.parametrize(("spec", "ports"), [
@@ -287,7 +297,8 @@ def test_the_endpoints_name_the_load_balancer_else_the_cluster_ip(observed: Obse
     assert status["clusterIP"] == observed.cluster_ip
     assert status["endpoints"] == {"ipmi": f"{host}:623", "metal3IPMI": f"ipmi://{host}:623",
                                    "redfish": f"https://{host}/redfish/v1/Systems/vm",
-                                   "metal3Redfish": f"redfish-virtualmedia+https://{host}/redfish/v1/Systems/vm"}
+                                   "metal3Redfish": f"redfish-virtualmedia+https://{host}/redfish/v1/Systems/vm",
+                                   "web": f"https://{host}/"}
 
 
 def test_status_patch_never_touches_boot_override_and_nulls_what_is_gone() -> None:

@@ -66,9 +66,11 @@ def test_a_long_burst_arrives_in_order(console: pexpect.spawn, machine: MemoryMa
 
 def test_the_console_survives_a_reset(console: pexpect.spawn, machine: MemoryMachine, bmc: IpmiServer) -> None:
     assert bmc._sol is not None
-    attached = bmc._sol.bridge.attachments
+    bridge = bmc.console.bridge
+    assert bridge is not None
+    attached = bridge.attachments
     machine.reset(ResetType.FORCE_RESTART)
-    wait_for(lambda: bmc._sol is not None and bmc._sol.bridge.attachments > attached and bmc._sol.link.available,
+    wait_for(lambda: bmc._sol is not None and bridge.attachments > attached and bmc._sol.link.available,
              timeout=5, what="the serial line of the new boot")
     machine.write_console(b"SeaBIOS (after the reset)\r\n")
     console.expect_exact("SeaBIOS (after the reset)")

@@ -7,9 +7,11 @@ import os
 import re
 import shlex
 import signal
+import ssl
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pexpect
@@ -62,7 +64,13 @@ def test_demo_prints_reachable_bmcs_and_stops_everything_on_ctrl_c(tmp_path: Pat
             assert any(Path(logs[1]).iterdir()) and Path(logs[2]).is_file(), text
             for line in bmc_lines:
                 assert re.match(r"bmc default/vm-\d ipmi=127\.\d+\.\d+\.\d+:623 redfish=https://\S+/redfish/v1/"
-                                r"Systems/vm-\d username=admin password=password$", line), line
+                                r"Systems/vm-\d web=https://127\.\d+\.\d+\.\d+/ username=admin password=password$",
+                                line), line
+            # the printed web address serves the BMC's page (the agent's own certificate: not verified here)
+            web = re.search(r" web=(\S+) ", bmc_lines[0])
+            assert web and any(line.strip().startswith(f"open {web[1]} in a browser") for line in lines), text
+            with urllib.request.urlopen(web[1], timeout=10, context=ssl._create_unverified_context()) as page:
+                assert b"<title>KubeVBMC</title>" in page.read()
             power_on = next(line.strip() for line in text.splitlines() if line.strip().endswith("power on"))
             result = subprocess.run(shlex.split(power_on), capture_output=True, text=True, timeout=30)
             assert "Chassis Power Control: Up/On" in result.stdout, result.stderr

@@ -24,7 +24,8 @@ VBMC_LAYERS: dict[str, tuple[str, ...]] = {
     "vbmc.machine": ("vbmc.access",),
     "vbmc.ipmi": ("vbmc.machine", "vbmc.access"),
     "vbmc.redfish": ("vbmc.machine", "vbmc.access"),
-    "vbmc.agent": ("vbmc.machine", "vbmc.access", "vbmc.ipmi", "vbmc.redfish"),
+    "vbmc.web": ("vbmc.machine", "vbmc.access", "vbmc.redfish"),
+    "vbmc.agent": ("vbmc.machine", "vbmc.access", "vbmc.ipmi", "vbmc.redfish", "vbmc.web"),
 }
 # Outside its own backend package, nothing in the machine layer or a frontend may import a backend.
 BACKEND = "vbmc.machine.kubevirt"

@@ -34,6 +34,7 @@ from vbmc.machine import (
 )
 from vbmc.machine.memory import MemoryMachine
 from vbmc.redfish.app import create_app
+from vbmc.redfish.resources import ConsoleAccess
 from vbmc.redfish.server import ThreadedServer
 from vbmc.redfish.sessions import SessionStore
 
@@ -92,8 +93,9 @@ def service() -> Iterator[Service]:
 
 @pytest.fixture(scope="module")
 def shared_service() -> Iterator[Service]:
-    """One service for the slow, read-mostly clients (validators)."""
-    yield from serve(MemoryMachine("vm1", power=PowerState.ON))
+    """One service for the slow, read-mostly clients (validators), advertising its consoles as the agent's do."""
+    yield from serve(MemoryMachine("vm1", power=PowerState.ON), consoles=ConsoleAccess(
+        ipmi_sol=True, serial_uri="/consoles/serial", screen_uri="/consoles/screen", max_sessions=4))
 
 
 def message_ids(resp: requests.Response) -> list[str]:
@@ -262,6 +264,9 @@ def test_service_validator_reports_no_failures(service_validator: Report) -> Non
                      "/redfish/v1/Chassis/vm1/Drives/rootdisk", "/redfish/v1/Managers/BMC/NetworkProtocol",
                      "/redfish/v1/EventService", "/redfish/v1/EventService/Subscriptions/"):
         assert f"Validating {resource}" in service_validator.output, f"{resource} was not reached"
+    for prop in ("/GraphicalConsole/ConnectTypesSupported", "/SerialConsole/WebSocket/ConsoleURI",
+                 "/SerialConsole/IPMI/ServiceEnabled"):
+        assert f"PASS - {prop} " in service_validator.log, f"{prop} was not validated"
     # The only warnings: the Manager's VirtualMedia is deprecated (kept for sushy and older Ironic).
     warnings = re.findall(r"WARN - (/\S+)", service_validator.log)
     assert all(w in ("/VirtualMedia", "/@odata.id") for w in warnings), warnings

@@ -209,8 +209,10 @@ def test_the_client_wakes_when_there_is_output() -> None:
     assert client_.take() == BOOT
 
 
-def domain(uid: str, *, running: bool = True, stopping: bool = False, serial: bool = True) -> Domain:
-    return Domain(uid=uid, running=running, serial=serial, stopping=stopping, paused=False, spec=devices([ROOT]))
+def domain(uid: str, *, running: bool = True, stopping: bool = False, serial: bool = True,
+           graphics: bool = True) -> Domain:
+    return Domain(uid=uid, running=running, serial=serial, stopping=stopping, paused=False, spec=devices([ROOT]),
+                  graphics=graphics)
 
 
 def test_consoles_follow_the_vmi_uid() -> None:
@@ -237,8 +239,9 @@ def test_a_line_ends_when_its_vmi_stops_running(gone: Domain | None) -> None:
     assert consoles.lines() == []
 
 
-def test_no_line_without_a_serial_console() -> None:
-    assert SerialConsoles().settle("ns", "vm", domain("a", serial=False)) is None
+def test_no_guest_line_without_a_serial_console_or_a_screen() -> None:
+    assert SerialConsoles().settle("ns", "vm", domain("a", serial=False, graphics=False)) is None
+    assert SerialConsoles().settle("ns", "vm", domain("a", serial=False)) is not None  # the screen has a guest
 
 
 # ---------------------------------------------------------------- over kubesim's API (TLS, websocket-client)

@@ -6,6 +6,9 @@ client cannot tell the two apart:
   process (shared by a pool's members), or a MemoryMachine;
 - its IpmiServer, with its own thread, session table and backend writer thread, started once the Machine knows its
   VM (IPMI answers RAKP with the system GUID);
+- its serial console and screen (vbmc/machine/console.py, screen.py: one connection to the VM each, shared by IPMI
+  SOL and the web page's viewers);
+- its page and console WebSockets (vbmc/web), in front of its Redfish app;
 - its Redfish app (create_app: its own credentials, sessions, EventService and subscriptions store, bmc uuid
   uuid5(kubevbmc:NS/VM), system id = VM name) behind its own RedfishFront, whose worker threads (--threads, two by
   default, created on the first requests) only this BMC's requests use;
@@ -40,8 +43,12 @@ from typing import Any, Protocol
 
 from ..access.throttle import Engaged, LoginThrottle
 from ..machine import STALE_READS, Machine
+from ..machine.console import MAX_VIEWERS, SerialHub
+from ..machine.screen import ScreenHub
 from ..redfish.eventservice import SubscriptionStore
+from ..redfish.resources import ConsoleAccess
 from ..redfish.server import Limits, Listeners, RedfishFront, ServerConfig, connection_slots, hypercorn_config
+from ..web import SCREEN_URI, SERIAL_URI, Consoles, WebFront
 
 log = logging.getLogger("vbmc.agent")
 
@@ -127,6 +134,8 @@ class Bmc:
         self.spec = spec
         self.agent = agent
         self.machine: Machine | None = None
+        self.serial: SerialHub | None = None  # the serial console, shared by IPMI SOL and the web consoles
+        self.screen: ScreenHub | None = None
         self.ipmi: Any = None
         self.events: Any = None
         self.front: RedfishFront | None = None
@@ -145,23 +154,32 @@ class Bmc:
     def build(self) -> None:
         spec, agent = self.spec, self.agent
         self.machine = self.agent.new_machine(spec)
+        self.serial = SerialHub(self.machine, spec.vm)
         app: Any
+        web: WebFront | None = None
         if spec.redfish:
             from ..redfish import create_app
 
+            self.screen = ScreenHub(self.machine, spec.vm)
             bmc_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"kubevbmc:{agent.namespace}/{spec.vm}"))
+            access = ConsoleAccess(ipmi_sol=spec.ipmi, serial_uri=SERIAL_URI, screen_uri=SCREEN_URI,
+                                   max_sessions=MAX_VIEWERS)
             flask_app = create_app(self.machine, spec.username, spec.password, system_id=spec.vm,
                                    bmc_uuid=bmc_uuid, throttle=self.throttle,
                                    subscriptions=self.agent.subscriptions_store(spec),
-                                   event_ca_file=agent.event_ca_file, require_tls=spec.require_tls)
+                                   event_ca_file=agent.event_ca_file, require_tls=spec.require_tls, consoles=access)
             self.events = flask_app.extensions["vbmc.events"]
             flask_app.wsgi_app = MetricsApp(flask_app.wsgi_app, self.metrics)
             app = flask_app
+            consoles = Consoles(flask_app.extensions["vbmc.sessions"], self.throttle, spec.vm, self.serial,
+                                self.screen, require_tls=spec.require_tls)
+            web = WebFront(consoles, require_tls=spec.require_tls)
         else:
             app = MetricsApp(service_disabled, self.metrics)
         server = self.agent.server_config
         self.front = RedfishFront(app, probes={"/healthz": lambda: True, "/readyz": self.ready},
-                                  threads=server.threads, body_timeout=server.body_timeout, limits=server.limits)
+                                  threads=server.threads, body_timeout=server.body_timeout, limits=server.limits,
+                                  web=web)
 
     def _login_throttled(self, engaged: Engaged) -> None:
         """A Warning Event on this BMC's VirtualMachineBMC (at most one per source a minute, see
@@ -253,7 +271,7 @@ class Bmc:
         part, host = self.parts["ipmi"], self.host(self.spec.ipmi_host)
         try:
             server = IpmiServer(self.machine, self.spec.username, self.spec.password,
-                                address=(host, self.spec.ipmi_port), throttle=self.throttle)
+                                address=(host, self.spec.ipmi_port), throttle=self.throttle, console=self.serial)
             server.start()
         except OSError as exc:
             part.failed(self.agent.who(self.spec), f"{host}:{self.spec.ipmi_port}/udp: {exc}", now)
@@ -275,6 +293,9 @@ class Bmc:
         """Blocking (a worker thread): IPMI (returns within a fraction of a second), events, the Machine."""
         if self.ipmi is not None:
             self.ipmi.stop()
+        for hub in (self.serial, self.screen):
+            if hub is not None:
+                hub.stop()
         if self.events is not None:
             self.events.close()
         if self.front is not None:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, TypeVar
 from ..access import audit
 from ..access.throttle import LoginThrottle, source_key
 from ..machine import BackendUnavailable, BootOverride, InvalidRequest, Machine, MachineError, PowerState, ResetType
-from ..machine.console import ConsoleBridge
+from ..machine.console import SerialHub, SerialViewer
 from ..machine.events import POWER_STATE_CHANGED, Event
 from . import codec, fru, lan, rmcp, sdr, sel, sol
 from .codec import Completion, IdentifyState, Privilege, RestartCause, SessionEntry
@@ -70,7 +70,7 @@ class SolPayload:
     def __init__(self, session: RmcpPlusSession, link: sol.SolLink) -> None:
         self.session = session
         self.link = link
-        self.bridge: ConsoleBridge
+        self.viewer: SerialViewer
 
 
 class Command(NamedTuple):
@@ -90,7 +90,8 @@ class IpmiServer:
     """
 
     def __init__(self, machine: Machine, username: str, password: str,
-                 address: tuple[str, int] = ("0.0.0.0", 623), throttle: LoginThrottle | None = None) -> None:
+                 address: tuple[str, int] = ("0.0.0.0", 623), throttle: LoginThrottle | None = None,
+                 console: SerialHub | None = None) -> None:
         self.machine = machine
         # Shared with the Redfish app in the agent, so a source's failures count over both protocols.
         self.throttle = throttle if throttle is not None else LoginThrottle()
@@ -99,6 +100,7 @@ class IpmiServer:
         self._bind_address = address
         inventory = machine.inventory()
         self._vm = inventory.name
+        self.console = console if console is not None else SerialHub(machine, self._vm)
         self.guid = codec.system_guid(inventory.uuid)  # the BMC's GUID in RAKP messages
         self._firmware = _firmware_revision()
         self._socket: socket.socket | None = None
@@ -616,11 +618,12 @@ class IpmiServer:
             return Reply(sol.NEEDS_ENCRYPTION, detail="SOL is only activated with encryption")
         link = sol.SolLink(config, session.send_sol, self._sol_deliver)
         state = SolPayload(session, link)
-        state.bridge = ConsoleBridge(
-            self.machine, lambda chars: self._post(lambda: self._sol_output(state, chars)),
-            lambda available, why: self._post(lambda: self._sol_attached(state, available)), self._vm)
         self._sol = state
-        state.bridge.start()
+        # SOL is one more viewer of the BMC's serial console (shared with the web consoles), not counted against
+        # their cap: it has its own single payload instance.
+        state.viewer = self.console.join(
+            lambda chars: self._post(lambda: self._sol_output(state, chars)),
+            lambda available, why: self._post(lambda: self._sol_attached(state, available)), counted=False)
         return Reply(Completion.OK, sol.activation_reply(self._network().port))
 
     # The serial line's callbacks, run on the serving thread (_post); a payload deactivated since is left alone.
@@ -635,7 +638,7 @@ class IpmiServer:
 
     def _sol_deliver(self, chars: bytes) -> bool:
         state = self._sol
-        return state is not None and state.bridge.send(chars)
+        return state is not None and state.viewer.send(chars)
 
     def _deactivate_payload(self, data: bytes) -> Reply:
         """Deactivate Payload (table 24-3): from the SOL session or any other at the SOL privilege."""
@@ -658,7 +661,7 @@ class IpmiServer:
             return
         if tell:  # the console learns from the status bits; a session that is gone hears nothing
             state.link.deactivating()
-        state.bridge.stop()
+        state.viewer.leave()
         log.info("ipmi sol deactivated vm=%s: %s", self._vm, why, extra={"protocol": "ipmi", "vm": self._vm})
 
     def sol_received(self, session: RmcpPlusSession, payload: bytes) -> bool:

@@ -197,10 +197,10 @@ class ConsoleUnavailable(MachineError):
 
 
 class SerialConsole(Protocol):
-    """An open serial line to a running machine (Machine.open_console)."""
+    """An open line to a running machine: its serial port (Machine.open_console) or its screen (open_screen)."""
 
     def send(self, data: bytes) -> None:
-        """Write to the machine's serial port; raises ConsoleUnavailable when the line has gone away."""
+        """Write to the line; raises ConsoleUnavailable when the line has gone away."""
 
     def close(self) -> None:
         """Hang up; no callback follows."""
@@ -317,6 +317,18 @@ class Machine(abc.ABC):
         once, with the reason, when the line goes away (the machine stopped or was reset); both from another thread.
         Raises ConsoleUnavailable when the machine is not running or the backend refuses."""
         raise Unsupported("this machine has no serial console")
+
+    def has_screen(self) -> bool:
+        """Whether the machine has a graphics device whose screen a viewer can attach to (KubeVirt: unless the VM
+        sets `autoattachGraphicsDevice: false`)."""
+        return False
+
+    def open_screen(self, output: Callable[[bytes], None], closed: Callable[[str], None]) -> SerialConsole:
+        """Attach to the running machine's screen: the line carries RFB 3.8 (RFC 6143) as the machine's VNC server
+        speaks it, from its ProtocolVersion on. `output` and `closed` as for open_console. Raises
+        ConsoleUnavailable when the machine is not running, its screen is in use elsewhere or the backend
+        refuses."""
+        raise Unsupported("this machine has no screen")
 
     def service_address(self) -> str:
         """The address clients reach the BMC at, when the backend knows it (KubeVirt: the VirtualMachineBMC's

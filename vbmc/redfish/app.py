@@ -52,7 +52,8 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
                ports: Mapping[str, int] | None = None, host_name: str | None = None,
                fqdn: str | None = None, bmc_uuid: str | None = None,
                throttle: LoginThrottle | None = None, subscriptions: SubscriptionStore | None = None,
-               event_ca_file: str = "", require_tls: bool = False) -> Flask:
+               event_ca_file: str = "", require_tls: bool = False,
+               consoles: resources.ConsoleAccess | None = None) -> Flask:
     """A Redfish service for one machine, with one account (`username`/`password`, HTTP Basic or sessions).
 
     `system_id` defaults to the machine's name (stable for a VM); `session_timeout` is the inactivity timeout
@@ -61,7 +62,8 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
     the service and manager UUIDs (default: the machine's UUID). `throttle` slows password guessing per source
     address (vbmc/access/throttle.py); the agent shares one with its IPMI server. `subscriptions` keeps the
     EventService's subscriptions (default: in memory; the agent's is a Secret); `event_ca_file` adds CA
-    certificates to the system's for HTTPS event destinations."""
+    certificates to the system's for HTTPS event destinations. `consoles` are the consoles the agent serves beside
+    Redfish, which the System and the Manager advertise (GraphicalConsole, SerialConsole)."""
     if system_id is None or bmc_uuid is None:
         # Without both, the machine must answer now; the agent passes both so it can start before its VM exists.
         inventory = machine.inventory()
@@ -76,7 +78,8 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         store=SessionStore(session_timeout, clock), throttle=throttle if throttle is not None else LoginThrottle(),
         version=version, ports=dict(DEFAULT_PORTS if ports is None else ports),
         host_name=host_name or socket.gethostname(), fqdn=fqdn, service_uuid=resources.service_uuid(bmc_uuid),
-        manager_uuid=resources.manager_uuid(bmc_uuid), session_timeout=session_timeout, require_tls=require_tls)
+        manager_uuid=resources.manager_uuid(bmc_uuid), session_timeout=session_timeout, require_tls=require_tls,
+        consoles=consoles)
     ids = svc.ids
     svc.events = EventService(machine.events, system=ids.system, system_name=ids.system_id,
                               media_base=f"{ids.manager}/VirtualMedia", store=subscriptions, ca_file=event_ca_file)

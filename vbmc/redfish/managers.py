@@ -23,9 +23,9 @@ def blueprint(svc: Service) -> Blueprint:
 
     @route(bp, ids.manager)
     def manager() -> Response:
-        has_media = bool(machine.media_slots())
-        return svc.send(cache.get("manager", "Manager", has_media, lambda: resources.manager(
-            ids, svc.manager_uuid, svc.version, has_media)))
+        has_media, has_screen = bool(machine.media_slots()), machine.has_screen()
+        return svc.send(cache.get("manager", "Manager", (has_media, has_screen), lambda: resources.manager(
+            ids, svc.manager_uuid, svc.version, has_media, resources.manager_consoles(svc.consoles, has_screen))))
 
     @route(bp, f"{ids.manager}/NetworkProtocol")
     def network_protocol() -> Response:

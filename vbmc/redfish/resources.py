@@ -6,7 +6,7 @@ names and enum values follow DMTF's schema bundle DSP8010 2025.4 (the versions i
 from __future__ import annotations
 
 import uuid as uuidlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,8 +243,47 @@ def _system_state(power: PowerState) -> str:
     return "Starting" if power == PowerState.POWERING_ON else "Enabled"
 
 
+@dataclass(frozen=True)
+class ConsoleAccess:
+    """The consoles a BMC serves beside Redfish, as the System and the Manager advertise them: IPMI SOL, the serial
+    console as a WebSocket at `serial_uri` (relative to the service: ws:// or wss:// as the service is reached),
+    the screen (KVM over IP) as a WebSocket at `screen_uri`, each with at most `max_sessions` web viewers."""
+
+    ipmi_sol: bool
+    serial_uri: str
+    screen_uri: str
+    max_sessions: int
+
+
+def system_consoles(access: ConsoleAccess | None, has_serial: bool, has_screen: bool) -> dict[str, Any]:
+    """The System's GraphicalConsole and SerialConsole (ComputerSystem v1_13_0 HostGraphicalConsole and
+    HostSerialConsole; SerialConsole.WebSocket since v1_26_0): what the machine has and the BMC serves."""
+    if access is None:
+        return {}
+    serial = has_serial and bool(access.serial_uri)
+    return {
+        "GraphicalConsole": {"ServiceEnabled": has_screen and bool(access.screen_uri),
+                             "MaxConcurrentSessions": access.max_sessions, "ConnectTypesSupported": ["KVMIP"]},
+        "SerialConsole": {
+            # The web viewers and IPMI SOL's one payload instance, all on the one serial line.
+            "MaxConcurrentSessions": access.max_sessions + int(access.ipmi_sol),
+            "IPMI": {"ServiceEnabled": has_serial and access.ipmi_sol},
+            "WebSocket": {"ServiceEnabled": serial, "ConsoleURI": access.serial_uri, "Interactive": True},
+        },
+    }
+
+
+def manager_consoles(access: ConsoleAccess | None, has_screen: bool) -> dict[str, Any]:
+    """The Manager's GraphicalConsole (Manager v1_0_0): the BMC's KVM over IP."""
+    if access is None:
+        return {}
+    return {"GraphicalConsole": {"ServiceEnabled": has_screen and bool(access.screen_uri),
+                                 "MaxConcurrentSessions": access.max_sessions, "ConnectTypesSupported": ["KVMIP"]}}
+
+
 def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targets: Sequence[BootTarget],
-           resets: Sequence[ResetType], inv: Inventory, has_media: bool) -> dict[str, Any]:
+           resets: Sequence[ResetType], inv: Inventory, has_media: bool,
+           consoles: Mapping[str, Any] | None = None) -> dict[str, Any]:
     path = ids.system
     doc = _head("ComputerSystem", path, ids.system_id, inv.name)
     doc.update({
@@ -281,6 +320,7 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
     })
     if has_media:
         doc["VirtualMedia"] = link(f"{path}/VirtualMedia")
+    doc.update(consoles or {})
     if health.state != HealthState.OK and health.message:
         doc["Description"] = health.message
     return doc
@@ -488,7 +528,8 @@ def virtual_media(base: str, media: VirtualMedia) -> dict[str, Any]:
 # ---- manager and chassis
 
 
-def manager(ids: Ids, uuid: str, version: str, has_media: bool) -> dict[str, Any]:
+def manager(ids: Ids, uuid: str, version: str, has_media: bool,
+            consoles: Mapping[str, Any] | None = None) -> dict[str, Any]:
     path = ids.manager
     doc = _head("Manager", path, ids.manager_id, "KubeVBMC virtual BMC")
     doc.update({
@@ -505,6 +546,7 @@ def manager(ids: Ids, uuid: str, version: str, has_media: bool) -> dict[str, Any
     })
     if has_media:
         doc["VirtualMedia"] = link(f"{path}/VirtualMedia")
+    doc.update(consoles or {})
     return doc
 
 

@@ -130,8 +130,11 @@ class RedfishFront:
     """An ASGI app in front of a WSGI app: probes on the event loop, whole requests to worker threads."""
 
     def __init__(self, app: Any, *, probes: Mapping[str, Probe] | None = None, threads: int = 2,
-                 body_timeout: float = 10.0, limits: Limits | None = None) -> None:
+                 body_timeout: float = 10.0, limits: Limits | None = None, web: Any = None) -> None:
         self.app = app
+        # What the port serves besides Redfish (the agent's vbmc/web WebFront: the page and the consoles'
+        # WebSockets), on the event loop; without it every WebSocket is refused.
+        self.web = web
         self.probes = dict(probes or {})
         self.body_timeout = body_timeout
         self.limits = limits or Limits()
@@ -151,7 +154,10 @@ class RedfishFront:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         elif kind == "websocket":
-            await send({"type": "websocket.close", "code": 1003})
+            if self.web is not None:
+                await self.web.websocket(scope, receive, send)
+            else:
+                await send({"type": "websocket.close", "code": 1003})
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         probe = self.probes.get(scope["path"])
@@ -159,6 +165,9 @@ class RedfishFront:
             ok = probe()
             await _respond(send, 200 if ok else 503, [(b"content-type", b"text/plain")],
                            b"ok\n" if ok else b"not ready\n")
+            return
+        if self.web is not None and self.web.serves(scope):
+            await self.web.http(scope, send)
             return
         try:
             self._check_head(scope)
@@ -380,6 +389,30 @@ def _http1_with_redfish_errors() -> None:
     protocol._send_error_response = send_error_response
     protocol._check_protocol = http1_only
     protocol._kubevbmc_errors = True
+    _websocket_handshakes_that_cannot_crash()
+
+
+def _websocket_handshakes_that_cannot_crash() -> None:
+    """hypercorn reads a WebSocket upgrade's Connection, Sec-WebSocket-Protocol and Sec-WebSocket-Extensions as
+    ASCII, and a byte above 127 in one ended the connection with no answer at all (found by the consoles' fuzz
+    test). Such an upgrade is not valid: answer it as one (400)."""
+    from hypercorn.protocol import ws_stream
+
+    handshake: Any = ws_stream.Handshake
+    if getattr(handshake, "_kubevbmc_ascii", False):
+        return
+    original = handshake.__init__
+    lists = (b"connection", b"sec-websocket-protocol", b"sec-websocket-extensions")
+
+    def init(self: Any, headers: list[tuple[bytes, bytes]], http_version: str) -> None:
+        try:
+            original(self, headers, http_version)
+        except UnicodeDecodeError:
+            original(self, [(n, v) for n, v in headers if n.lower() not in lists], http_version)
+            self.key = None  # is_valid() is then False: 400
+
+    handshake.__init__ = init
+    handshake._kubevbmc_ascii = True
 
 
 # ---- running it
@@ -413,6 +446,11 @@ def hypercorn_config(config: ServerConfig) -> Any:
     hc.h11_max_incomplete_size = config.limits.headers_bytes
     hc.wsgi_max_body_size = config.limits.body
     hc.graceful_timeout = config.graceful_timeout
+    # The consoles' WebSockets (vbmc/web): a ping every 20 s keeps an idle console within read_timeout (the
+    # browser's pong is a read) and finds a viewer that went away; a viewer's messages are keystrokes and RFB
+    # input events, small.
+    hc.websocket_ping_interval = 20.0
+    hc.websocket_max_message_size = 64 * 1024
     # hypercorn's default of 100 drops the SYNs of a burst of connections: clients then wait 1 s, 3 s, 7 s... to
     # retry. The kernel caps it at net.core.somaxconn.
     hc.backlog = 1024
@@ -583,7 +621,8 @@ class BackgroundServer:
     thread: for tests and benchmarks that need the real server in their own process. The addresses are bound at
     once (`ports`, `tls_ports`)."""
 
-    def __init__(self, app: Any, config: ServerConfig, *, probes: Mapping[str, Probe] | None = None) -> None:
+    def __init__(self, app: Any, config: ServerConfig, *, probes: Mapping[str, Probe] | None = None,
+                 web: Any = None) -> None:
         self.config = config
         self._hc = hypercorn_config(config)
         tls_binds, plain_binds = config.binds()
@@ -602,7 +641,7 @@ class BackgroundServer:
         self.ports = [sock.getsockname()[1] for sock, tls in self._sockets if tls is None]
         self.tls_ports = [sock.getsockname()[1] for sock, tls in self._sockets if tls is not None]
         self.front = RedfishFront(app, probes=probes, threads=config.threads, body_timeout=config.body_timeout,
-                                  limits=config.limits)
+                                  limits=config.limits, web=web)
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None

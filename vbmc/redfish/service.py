@@ -28,7 +28,7 @@ from ..machine import Machine
 from . import payloads, resources
 from .errors import RedfishError
 from .eventservice import EventService
-from .resources import Ids
+from .resources import ConsoleAccess, Ids
 from .sessions import SessionStore
 from .taskstore import TaskStore
 
@@ -92,6 +92,7 @@ class Service:
     manager_uuid: str
     session_timeout: int
     require_tls: bool = False  # refuse credentials that come over plain HTTP (spec.redfish.requireTLS)
+    consoles: ConsoleAccess | None = None  # the consoles served beside Redfish (the agent's vbmc/web)
     events: EventService | None = None  # vbmc/redfish/eventservice.py: subscriptions, delivery, SSE
     tasks: TaskStore = field(default_factory=lambda: TaskStore())
     cache: RenderCache = field(default_factory=RenderCache)

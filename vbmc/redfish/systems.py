@@ -31,9 +31,11 @@ def blueprint(svc: Service) -> Blueprint:
 
     def rendered_system() -> Rendered:
         key = (machine.power_state(), machine.health(), machine.boot_override(), machine.supported_boot_targets(),
-               machine.supported_reset_types(), machine.inventory(), machine.media_slots())
+               machine.supported_reset_types(), machine.inventory(), machine.media_slots(),
+               machine.has_serial_console(), machine.has_screen())
         return cache.get("system", "ComputerSystem", key, lambda: resources.system(
-            ids, key[0], key[1], key[2], key[3], key[4], key[5], bool(key[6])))
+            ids, key[0], key[1], key[2], key[3], key[4], key[5], bool(key[6]),
+            resources.system_consoles(svc.consoles, key[7], key[8])))
 
     @route(bp, ids.systems)
     def systems() -> Response:

@@ -31,6 +31,8 @@ from urllib.parse import urlencode
 import urllib3
 import yaml
 
+from . import console
+
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
@@ -283,34 +285,33 @@ class KubeClient:
                             str(status.get("message") or payload or resp.reason), payload)
         return payload
 
-    def websocket(self, path: str, subprotocol: str, timeout: float | None = None) -> Any:
-        """A connected WebSocket (websocket-client, which the official client uses for exec) to `path`, offering
-        `subprotocol`. Raises KubeError with the server's Status when it refuses the upgrade (a 401 with a token
+    def websocket(self, path: str, output: Callable[[bytes], None], closed: Callable[[str], None], name: str, *,
+                  query: dict[str, str] | None = None, timeout: float | None = None) -> console.WebSocketStream:
+        """A console WebSocket (console.py: driven by the process's console loop, `output` and `closed` called
+        there) to `path`. Raises KubeError with the server's Status when it refuses the upgrade (a 401 with a token
         from a file is retried once, with the token read again), Unreachable otherwise."""
-        import websocket  # only when a console opens: the agent's memory budget
-
         _, auth = self._current()
-        url = "ws" + self._url(path, None)[len("http"):]
-        sslopt = {"context": _tls_context(self.creds, self._ca)} if self._tls else {}
+        tls = _tls_context(self.creds, self._ca) if self._tls else None
         for attempt in (1, 2):
-            headers = [f"{k}: {v}" for k, v in auth.items() if k in ("Authorization", "User-Agent")]
+            headers = [(k, v) for k, v in auth.items() if k in ("Authorization", "User-Agent")]
             try:
-                return websocket.create_connection(url, header=headers, subprotocols=[subprotocol], sslopt=sslopt,
-                                                   timeout=timeout or self.timeout, enable_multithread=True)
-            except websocket.WebSocketBadStatusException as exc:
-                retry = self._retry_unauthorized(auth) if exc.status_code == 401 and attempt == 1 else None
+                return console.connect(self.creds.server, path, query, tls, headers, output, closed, name,
+                                       timeout or self.timeout)
+            except console.Refused as exc:
+                retry = self._retry_unauthorized(auth) if exc.status == 401 and attempt == 1 else None
                 if retry is not None:
                     auth = retry
                     continue
                 try:
-                    status = json.loads(exc.resp_body or b"{}")
+                    status = json.loads(exc.body or b"{}")
                 except ValueError:
                     status = {}
                 status = status if isinstance(status, dict) else {}
-                raise KubeError(exc.status_code, str(status.get("reason") or ""),
-                                str(status.get("message") or exc), status) from exc
-            except (websocket.WebSocketException, OSError) as exc:
-                raise Unreachable(f"GET {path} (WebSocket): {exc}") from exc
+                text = exc.body.decode("utf-8", "replace").strip() if exc.body and not status else ""
+                raise KubeError(exc.status, str(status.get("reason") or ""),
+                                str(status.get("message") or text or f"HTTP {exc.status}"), status) from exc
+            except (console.HandshakeFailed, OSError, ssl.SSLError, TimeoutError) as exc:
+                raise Unreachable(f"GET {path} (WebSocket): {exc or type(exc).__name__}") from exc
         raise AssertionError("unreachable")
 
     def _send(self, pool: urllib3.PoolManager, method: str, url: str, data: bytes | None, headers: dict[str, str],

@@ -141,21 +141,32 @@ class KubeVirtMachine(Machine):
             return None
         return vmstate.running_since(self._vmi())
 
-    # ---- serial console (IPMI SOL)
+    # ---- serial console (IPMI SOL, the web console) and screen (the web KVM): console.py
+
+    def _devices(self) -> Obj:
+        return self._vm().get("spec", {}).get("template", {}).get("spec", {}).get("domain", {}).get("devices", {})
 
     def has_serial_console(self) -> bool:
-        devices = self._vm().get("spec", {}).get("template", {}).get("spec", {}).get("domain", {}).get("devices", {})
-        return devices.get("autoattachSerialConsole") is not False
+        return self._devices().get("autoattachSerialConsole") is not False
 
     def open_console(self, output: Callable[[bytes], None], closed: Callable[[str], None]) -> SerialConsole:
-        path = f"{SUBRESOURCES}/namespaces/{self.namespace}/virtualmachineinstances/{self.name}/console"
+        return self._open_line(console.SERIAL, output, closed)
+
+    def has_screen(self) -> bool:
+        return self._devices().get("autoattachGraphicsDevice") is not False
+
+    def open_screen(self, output: Callable[[bytes], None], closed: Callable[[str], None]) -> SerialConsole:
+        return self._open_line(console.SCREEN, output, closed, console.PRESERVE_SESSION)
+
+    def _open_line(self, sub: str, output: Callable[[bytes], None], closed: Callable[[str], None],
+                   query: dict[str, str] | None = None) -> SerialConsole:
+        path = f"{SUBRESOURCES}/namespaces/{self.namespace}/virtualmachineinstances/{self.name}/{sub}"
         try:
-            ws = self.client.websocket(path, console.SUBPROTOCOL)
+            return self.client.websocket(path, output, closed, f"{sub}-{self.name}", query=query)
         except KubeError as exc:
             raise ConsoleUnavailable(exc.message) from exc
         except Unreachable as exc:
             raise ConsoleUnavailable(str(exc)) from exc
-        return console.WebSocketConsole(ws, output, closed, self.name)
 
     def service_address(self) -> str:
         bmc = self.bmc_watch.obj if self.bmc_watch is not None else None

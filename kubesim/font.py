@@ -1,0 +1,131 @@
+"""The glyphs of kubesim's VM screens: printable ASCII (0x20 to 0x7E) of the Spleen 8x16 console font.
+
+Spleen 1.9.1, `spleen-8x16.psfu` as Debian's fonts-spleen 1.9.1-1 ships it, glyphs unchanged: each is 16 rows of
+8 pixels, one byte per row, the most significant bit leftmost.
+
+Copyright (c) 2018-2020, Frederic Cambus. All rights reserved.
+Redistribution and use in source and binary forms, with or without modification, are permitted provided that the
+following conditions are met:
+  * Redistributions of source code must retain the above copyright notice, this list of conditions and the
+    following disclaimer.
+  * Redistributions in binary form must reproduce the above copyright notice, this list of conditions and the
+    following disclaimer in the documentation and/or other materials provided with the distribution.
+THIS SOFTWARE IS PROVIDED BY THE COPYRIGHT HOLDERS AND CONTRIBUTORS "AS IS" AND ANY EXPRESS OR IMPLIED WARRANTIES,
+INCLUDING, BUT NOT LIMITED TO, THE IMPLIED WARRANTIES OF MERCHANTABILITY AND FITNESS FOR A PARTICULAR PURPOSE ARE
+DISCLAIMED. IN NO EVENT SHALL THE COPYRIGHT HOLDER OR CONTRIBUTORS BE LIABLE FOR ANY DIRECT, INDIRECT, INCIDENTAL,
+SPECIAL, EXEMPLARY, OR CONSEQUENTIAL DAMAGES (INCLUDING, BUT NOT LIMITED TO, PROCUREMENT OF SUBSTITUTE GOODS OR
+SERVICES; LOSS OF USE, DATA, OR PROFITS; OR BUSINESS INTERRUPTION) HOWEVER CAUSED AND ON ANY THEORY OF LIABILITY,
+WHETHER IN CONTRACT, STRICT LIABILITY, OR TORT (INCLUDING NEGLIGENCE OR OTHERWISE) ARISING IN ANY WAY OUT OF THE
+USE OF THIS SOFTWARE, EVEN IF ADVISED OF THE POSSIBILITY OF SUCH DAMAGE.
+"""
+
+WIDTH, HEIGHT = 8, 16
+FIRST, LAST = 0x20, 0x7E
+
+# One line per character, from " " to "~".
+_GLYPHS = bytes.fromhex(
+
+    "00000000000000000000000000000000"  # ' '
+    "00001818181818181800181800000000"  # '!'
+    "00666666660000000000000000000000"  # '"'
+    "00006c6cfe6c6c6c6cfe6c6c00000000"  # '#'
+    "00107ed0d0d07c16161616fc10000000"  # '$'
+    "000006666c0c18183036666000000000"  # '%'
+    "0000386c6c6c3870dacccc7a00000000"  # '&'
+    "00181818180000000000000000000000"  # "'"
+    "000e183030606060603030180e000000"  # '('
+    "0070180c0c060606060c0c1870000000"  # ')'
+    "00000000663c18ff183c660000000000"  # '*'
+    "000000000018187e1818000000000000"  # '+'
+    "00000000000000000000181830000000"  # ','
+    "000000000000007e0000000000000000"  # '-'
+    "00000000000000000000181800000000"  # '.'
+    "0006060c0c181830306060c0c0000000"  # '/'
+    "00007cc6c6cedef6e6c6c67c00000000"  # '0'
+    "00001838785818181818187e00000000"  # '1'
+    "00007cc606060c183060c6fe00000000"  # '2'
+    "00007cc606063c060606c67c00000000"  # '3'
+    "0000c0c0ccccccccfe0c0c0c00000000"  # '4'
+    "0000fec6c0c0fc060606c67c00000000"  # '5'
+    "00007cc6c0c0fcc6c6c6c67c00000000"  # '6'
+    "0000fec606060c183030303000000000"  # '7'
+    "00007cc6c6c67cc6c6c6c67c00000000"  # '8'
+    "00007cc6c6c6c67e0606c67c00000000"  # '9'
+    "00000000001818000000181800000000"  # ':'
+    "00000000001818000000181830000000"  # ';'
+    "0000060c1830606030180c0600000000"  # '<'
+    "00000000007e00007e00000000000000"  # '='
+    "00006030180c06060c18306000000000"  # '>'
+    "00007cc6060c18303000303000000000"  # '?'
+    "0000007cc2dadadadadec07c00000000"  # '@'
+    "00007cc6c6c6fec6c6c6c6c600000000"  # 'A'
+    "0000fcc6c6c6fcc6c6c6c6fc00000000"  # 'B'
+    "00007ec0c0c0c0c0c0c0c07e00000000"  # 'C'
+    "0000fcc6c6c6c6c6c6c6c6fc00000000"  # 'D'
+    "00007ec0c0c0f8c0c0c0c07e00000000"  # 'E'
+    "00007ec0c0c0f8c0c0c0c0c000000000"  # 'F'
+    "00007ec0c0c0dec6c6c6c67e00000000"  # 'G'
+    "0000c6c6c6c6fec6c6c6c6c600000000"  # 'H'
+    "00007e18181818181818187e00000000"  # 'I'
+    "00007e1818181818181818f000000000"  # 'J'
+    "0000c6c6c6ccf8ccc6c6c6c600000000"  # 'K'
+    "0000c0c0c0c0c0c0c0c0c07e00000000"  # 'L'
+    "0000c6eefed6c6c6c6c6c6c600000000"  # 'M'
+    "0000c6c6e6e6d6d6cecec6c600000000"  # 'N'
+    "00007cc6c6c6c6c6c6c6c67c00000000"  # 'O'
+    "0000fcc6c6c6fcc0c0c0c0c000000000"  # 'P'
+    "00007cc6c6c6c6c6c6d6d67c180c0000"  # 'Q'
+    "0000fcc6c6c6fcc6c6c6c6c600000000"  # 'R'
+    "00007ec0c0c07c06060606fc00000000"  # 'S'
+    "0000ff18181818181818181800000000"  # 'T'
+    "0000c6c6c6c6c6c6c6c6c67e00000000"  # 'U'
+    "0000c6c6c6c6c6c6c66c381000000000"  # 'V'
+    "0000c6c6c6c6c6c6d6feeec600000000"  # 'W'
+    "0000c6c6c66c386cc6c6c6c600000000"  # 'X'
+    "0000c6c6c6c67e06060606fc00000000"  # 'Y'
+    "0000fe06060c183060c0c0fe00000000"  # 'Z'
+    "003e303030303030303030303e000000"  # '['
+    "00c0c06060303018180c0c0606000000"  # '\\'
+    "007c0c0c0c0c0c0c0c0c0c0c7c000000"  # ']'
+    "0010386cc60000000000000000000000"  # '^'
+    "0000000000000000000000000000fe00"  # '_'
+    "0030180c000000000000000000000000"  # '`'
+    "00000000007c067ec6c6c67e00000000"  # 'a'
+    "0000c0c0c0fcc6c6c6c6c6fc00000000"  # 'b'
+    "00000000007ec0c0c0c0c07e00000000"  # 'c'
+    "00000606067ec6c6c6c6c67e00000000"  # 'd'
+    "00000000007ec6c6fec0c07e00000000"  # 'e'
+    "00001e3030307c303030303000000000"  # 'f'
+    "00000000007ec6c6c6c6c67c0606fc00"  # 'g'
+    "0000c0c0c0fcc6c6c6c6c6c600000000"  # 'h'
+    "00001818003818181818181c00000000"  # 'i'
+    "00001818001818181818181818187000"  # 'j'
+    "0000c0c0c0ccd8f0f0d8ccc600000000"  # 'k'
+    "00003030303030303030301c00000000"  # 'l'
+    "0000000000ecd6d6d6d6c6c600000000"  # 'm'
+    "0000000000fcc6c6c6c6c6c600000000"  # 'n'
+    "00000000007cc6c6c6c6c67c00000000"  # 'o'
+    "0000000000fcc6c6c6c6c6fcc0c0c000"  # 'p'
+    "00000000007ec6c6c6c6c67e06060600"  # 'q'
+    "00000000007ec6c0c0c0c0c000000000"  # 'r'
+    "00000000007ec0c07c0606fc00000000"  # 's'
+    "00003030307c30303030301e00000000"  # 't'
+    "0000000000c6c6c6c6c6c67e00000000"  # 'u'
+    "0000000000c6c6c6c66c381000000000"  # 'v'
+    "0000000000c6c6d6d6d6d66e00000000"  # 'w'
+    "0000000000c66c38386cc6c600000000"  # 'x'
+    "0000000000c6c6c6c6c6c67e0606fc00"  # 'y'
+    "0000000000fe060c183060fe00000000"  # 'z'
+    "000e181818187070181818180e000000"  # '{'
+    "00181818181818181818181818000000"  # '|'
+    "0070181818180e0e1818181870000000"  # '}'
+    "000000000000327e4c00000000000000"  # '~'
+)
+
+
+def glyph(char: int) -> bytes:
+    """The 16 rows of `char`; "?" for a character outside printable ASCII."""
+    if not FIRST <= char <= LAST:
+        char = 0x3F
+    start = (char - FIRST) * HEIGHT
+    return _GLYPHS[start:start + HEIGHT]
