@@ -123,6 +123,7 @@ class Disk:
     kind: str = "disk"  # disk or cdrom
     size_bytes: int | None = None  # None: not known (a containerDisk), never a guess
     bus: str = ""  # virtio, sata, scsi, usb (KubeVirt's disk bus)
+    created: bool = False  # added through the BMC (create_disk), so it may delete it again (delete_disk)
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,10 @@ class Machine(abc.ABC):
         """Add a blank disk of `size_bytes` that the machine gets at its next boot (Ironic's RAID interface creates
         volumes); its name. Default: Unsupported."""
         raise Unsupported("this machine cannot add disks")
+
+    def delete_disk(self, name: str) -> None:
+        """Remove a disk that create_disk added, from the next boot on; InvalidRequest for any other disk."""
+        raise Unsupported("this machine cannot remove disks")
 
     def media_slots(self) -> tuple[str, ...]:
         """The virtual media slots the BMC has, like the virtual CD of a physical BMC: present whether or not the

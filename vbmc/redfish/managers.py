@@ -52,7 +52,7 @@ def blueprint(svc: Service) -> Blueprint:
 
     @route(bp, f"{ids.chassis}/Drives/<name>")
     def drive(name: str) -> Response:
-        for d in resources.disks(machine.inventory()):
+        for d in resources.sized_disks(machine.inventory()):
             if d.name == name:
                 return svc.send_doc("Drive", resources.drive(ids, d))
         raise not_found(request.path)

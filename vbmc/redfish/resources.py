@@ -265,7 +265,9 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
         },
         "ProcessorSummary": {"Count": inv.cpu_sockets, "CoreCount": inv.cpu_sockets * inv.cpu_cores,
                              "LogicalProcessorCount": inv.cpu_count},
-        "MemorySummary": {"TotalSystemMemoryGiB": round(inv.memory_bytes / 2**30, 3)},
+        # Exact: MiB / 1024 is a binary fraction. (sushy reads it as a whole number of GiB, so Ironic's memory_mb
+        # is in whole GiB: docs/troubleshooting.md.)
+        "MemorySummary": {"TotalSystemMemoryGiB": inv.memory_bytes // 2**20 / 1024},
         "Processors": link(f"{path}/Processors"),
         "Memory": link(f"{path}/Memory"),
         "EthernetInterfaces": link(f"{path}/EthernetInterfaces"),
@@ -341,8 +343,16 @@ def memory(ids: Ids, inv: Inventory) -> dict[str, Any]:
     return doc
 
 
-def disks(inv: Inventory) -> list[Any]:
+def disks(inv: Inventory) -> list[Disk]:
     return [d for d in inv.disks if d.kind == "disk"]
+
+
+def sized_disks(inv: Inventory) -> list[Disk]:
+    """The disks whose size is known. Where a client chooses among sizes, a disk of unknown size is left out
+    rather than shown with a null: sushy keeps a Volume's null CapacityBytes, and Ironic's inspection then
+    compares it with numbers (TypeError: local_gb fails); Ironic's RAID interface sizes its free space from the
+    Drives. SimpleStorage lists every disk: sushy drops a null size there."""
+    return [d for d in disks(inv) if d.size_bytes is not None]
 
 
 def simple_storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
@@ -355,7 +365,7 @@ def simple_storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
 
 def drive_paths(ids: Ids, inv: Inventory) -> list[str]:
     # Drives belong to the Chassis: /Systems/{id}/Storage/{id}/Drives/{id} is deprecated since Storage v1_13.
-    return [f"{ids.chassis}/Drives/{d.name}" for d in disks(inv)]
+    return [f"{ids.chassis}/Drives/{d.name}" for d in sized_disks(inv)]
 
 
 def storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
@@ -370,35 +380,43 @@ def storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
 # KubeVirt disk bus -> DMTF Protocol. virtio-blk and virtio-scsi are PCIe devices on the VM's bus.
 PROTOCOLS = {"virtio": "PCIe", "scsi": "PCIe", "sata": "SATA", "usb": "USB"}
 CONTROLLER_ID = "1"
+# A VM's disk is one volume on one drive, as a hardware controller exposes a single disk as a RAID0 volume; the
+# controller can make a new one (a new blank disk) and nothing else: no mirror, no parity, no span.
+RAID_TYPES = ("RAID0",)
+# A created disk is in the VM from its next boot on, a deleted one gone from then: both OnReset.
+VOLUME_APPLY_TIMES = ("OnReset",)
 
 
 def storage_controller(ids: Ids, inv: Inventory) -> dict[str, Any]:
-    """The VM's disk controllers as one: what its disks are attached through. No RAID: a VM's disks are volumes
-    the cluster provides, each one its own."""
+    """The VM's disk controllers as one: what its disks are attached through, making single-drive RAID0 volumes."""
     path = f"{ids.system}/Storage/{STORAGE_ID}/Controllers/{CONTROLLER_ID}"
     doc = _head("StorageController", path, CONTROLLER_ID, "Virtual disk controller")
     protocols = sorted({PROTOCOLS.get(d.bus, "PCIe") for d in disks(inv)})
     doc.update({"Status": _status(), "SupportedControllerProtocols": ["PCIe"],
-                "SupportedDeviceProtocols": protocols, "SupportedRAIDTypes": []})
+                "SupportedDeviceProtocols": protocols, "SupportedRAIDTypes": list(RAID_TYPES)})
     return doc
 
 
 def volume_paths(ids: Ids, inv: Inventory) -> list[str]:
-    return [f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{d.name}" for d in disks(inv)]
+    return [f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{d.name}" for d in sized_disks(inv)]
 
 
 def volume_collection(ids: Ids, inv: Inventory) -> dict[str, Any]:
     doc = collection("VolumeCollection", f"{ids.system}/Storage/{STORAGE_ID}/Volumes", "Volumes",
                      volume_paths(ids, inv))
-    # A POST adds a blank disk that the VM gets at its next boot.
-    doc["@Redfish.OperationApplyTimeSupport"] = {"SupportedValues": ["OnReset"]}
+    doc["@Redfish.OperationApplyTimeSupport"] = {"SupportedValues": list(VOLUME_APPLY_TIMES)}
     return doc
 
 
-def volume(ids: Ids, disk: Disk) -> dict[str, Any]:
+def volume(ids: Ids, disk: Disk, created: bool = False) -> dict[str, Any]:
+    """A disk as a volume of one drive. RAIDType RAID0 only for the volumes this controller made (and may delete
+    again); the VM's own disks are not RAID volumes, and Ironic's RAID interface leaves volumes without a
+    RAIDType alone (update_raid_config, delete_configuration)."""
     doc = _head("Volume", f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{disk.name}", disk.name, disk.name)
-    doc.update({"CapacityBytes": disk.size_bytes, "RAIDType": "None", "Status": _status(),
+    doc.update({"CapacityBytes": disk.size_bytes, "Status": _status(),
                 "Links": {"Drives": [link(f"{ids.chassis}/Drives/{disk.name}")]}})
+    if created:
+        doc["RAIDType"] = "RAID0"
     return doc
 
 
