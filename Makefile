@@ -17,9 +17,11 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# The IPMI clients the tests drive (ipmitool, freeipmi-tools): apt-get installs them when missing (sudo if not root).
+# The IPMI clients the tests drive (ipmitool, freeipmi-tools): apt-get installs them when missing (sudo if not root);
+# OpenStack Ironic, a real consumer the tests run, in its own virtualenv (.venv-ironic).
 clients:
 	scripts/install-clients.sh
+	scripts/install-ironic.sh
 
 unit: venv clients
 	$(BIN)/pytest -q
@@ -48,4 +50,4 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/ipmi_fuzz.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-ironic .mypy_cache .ruff_cache .pytest_cache *.egg-info
