@@ -237,7 +237,7 @@ def test_post_to_a_collections_members_creates_as_the_collection_does(client: Fl
                                                                      machine: MemoryMachine) -> None:
     volumes = f"{SYSTEM}/Storage/1/Volumes"
     before = len(client.get(volumes, headers=AUTH).json["Members"])  # type: ignore[index]
-    created = client.post(f"{volumes}/Members", json={"CapacityBytes": 2**30, "RAIDType": "None"}, headers=AUTH)
+    created = client.post(f"{volumes}/Members", json={"CapacityBytes": 2**30, "RAIDType": "RAID0"}, headers=AUTH)
     assert created.status_code == 201 and created.headers["Location"].startswith(f"{volumes}/")
     assert len(client.get(volumes, headers=AUTH).json["Members"]) == before + 1  # type: ignore[index]
     subscriptions = "/redfish/v1/EventService/Subscriptions"

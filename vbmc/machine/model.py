@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from ..access import audit
+from .eventlog import SystemEventLog
 from .events import POWER_STATE_CHANGED, EventBus
 
 log = logging.getLogger("vbmc.machine")
@@ -236,6 +238,25 @@ class Machine(abc.ABC):
         if bus is None:
             bus = self.__dict__.setdefault("_event_bus", EventBus())  # setdefault: one bus even when two race
         return bus
+
+    @property
+    def event_log(self) -> SystemEventLog:
+        """The system event log (vbmc/machine/eventlog.py): IPMI's SEL and Redfish's SEL LogService show it. It
+        follows the event bus from its first use, with what the bus's history still holds from before."""
+        found = self.__dict__.get("_event_log")
+        if found is None:
+            found = self.__dict__.setdefault("_event_log", SystemEventLog())
+        found.follow(self.events)
+        return found
+
+    @property
+    def audit_trail(self) -> audit.Trail:
+        """Who did what to this machine through its BMC, recently (vbmc/access/audit.py): the frontends record into
+        it, Redfish's Manager shows it as a LogService."""
+        found = self.__dict__.get("_audit_trail")
+        if found is None:
+            found = self.__dict__.setdefault("_audit_trail", audit.Trail())
+        return found
 
     def record_event(self, reason: str, message: str, kind: str = "Normal") -> None:
         """Tell the machine's owners (KubeVirt: a Kubernetes Event on the VirtualMachineBMC) and the event bus; best

@@ -39,6 +39,10 @@ class ResetAction(_Body):
     ResetType: str
 
 
+class ClearLogAction(_Body):
+    LogEntriesETag: str | None = None
+
+
 class InsertMediaAction(_Body):
     Image: str
     Inserted: bool = True

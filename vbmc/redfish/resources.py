@@ -24,6 +24,7 @@ from ..machine import (
     SecureBoot,
     VirtualMedia,
 )
+from ..machine.eventlog import LogRecord
 from .sessions import Session
 
 ROOT = "/redfish/v1"
@@ -57,12 +58,16 @@ SCHEMAS: dict[str, str] = {
     "EventService": "v1_12_0",
     "EventDestination": "v1_16_0",
     "Event": "v1_13_0",
+    "LogService": "v1_9_0",
+    "LogEntry": "v1_21_0",
+    "Power": "v1_7_3",
+    "Thermal": "v1_7_3",
 }
 COLLECTIONS = ("ComputerSystemCollection", "ManagerCollection", "ChassisCollection", "VirtualMediaCollection",
                "SessionCollection", "ManagerAccountCollection", "RoleCollection", "EthernetInterfaceCollection",
                "ProcessorCollection", "MemoryCollection", "SimpleStorageCollection", "StorageCollection",
                "StorageControllerCollection", "VolumeCollection", "TaskCollection",
-               "DriveCollection", "EventDestinationCollection")
+               "DriveCollection", "EventDestinationCollection", "LogServiceCollection", "LogEntryCollection")
 # Referenced by the schemas above (annotations, shared types); $metadata lists them too.
 SUPPORT_SCHEMAS = ("Resource", "RedfishExtensions", "Message", "Privileges")
 
@@ -274,6 +279,7 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
         "SimpleStorage": link(f"{path}/SimpleStorage"),
         "Storage": link(f"{path}/Storage"),
         "SecureBoot": link(f"{path}/SecureBoot"),
+        "LogServices": link(f"{path}/LogServices"),
         "Links": {"Chassis": [link(ids.chassis)], "ManagedBy": [link(ids.manager)]},
         "Actions": {"#ComputerSystem.Reset": {
             "target": f"{path}/Actions/ComputerSystem.Reset",
@@ -506,6 +512,11 @@ def virtual_media(base: str, media: VirtualMedia) -> dict[str, Any]:
 # ---- manager and chassis
 
 
+# What resetting a BMC means for an agent (vbmc/redfish/logs.py, reset): every session ends and the service answers
+# 503 for a moment; the VM is not touched. Graceful or forced, the agent restarts its service the same way.
+MANAGER_RESETS = ("ForceRestart", "GracefulRestart")
+
+
 def manager(ids: Ids, uuid: str, version: str, has_media: bool) -> dict[str, Any]:
     path = ids.manager
     doc = _head("Manager", path, ids.manager_id, "KubeVBMC virtual BMC")
@@ -518,8 +529,12 @@ def manager(ids: Ids, uuid: str, version: str, has_media: bool) -> dict[str, Any
         "PowerState": "On",
         "Status": _status(),
         "NetworkProtocol": link(f"{path}/NetworkProtocol"),
+        "EthernetInterfaces": link(f"{path}/EthernetInterfaces"),
+        "LogServices": link(f"{path}/LogServices"),
         "Links": {"ManagerForServers": [link(ids.system)], "ManagerForChassis": [link(ids.chassis)],
                   "ManagerInChassis": link(ids.chassis)},
+        "Actions": {"#Manager.Reset": {"target": f"{path}/Actions/Manager.Reset",
+                                       "ResetType@Redfish.AllowableValues": list(MANAGER_RESETS)}},
     })
     if has_media:
         doc["VirtualMedia"] = link(f"{path}/VirtualMedia")
@@ -538,9 +553,88 @@ def chassis(ids: Ids, inv: Inventory, power: PowerState, health: Health) -> dict
         "PowerState": "On" if on else "Off",
         "Status": _status(health.state),
         "Drives": link(f"{ids.chassis}/Drives"),
+        "Power": link(f"{ids.chassis}/Power"),
+        "Thermal": link(f"{ids.chassis}/Thermal"),
         "Links": {"ComputerSystems": [link(ids.system)], "ManagedBy": [link(ids.manager)],
                   "ManagersInChassis": [link(ids.manager)]},
     })
+    return doc
+
+
+def power(ids: Ids) -> dict[str, Any]:
+    """A VM has no power supply, no meter and no cap: no PowerControl, no PowerSupplies, nothing measured, nothing
+    invented. (Power and Thermal are deprecated for PowerSubsystem and ThermalSubsystem; the OCP baseline and
+    Ironic's profile still read them.)"""
+    doc = _head("Power", f"{ids.chassis}/Power", "Power", "Power")
+    doc.update({"Description": "A virtual machine draws no power of its own that anything measures or limits.",
+                "PowerControl": [], "PowerSupplies": []})
+    return doc
+
+
+def thermal(ids: Ids) -> dict[str, Any]:
+    """A VM has no fan and no temperature sensor: empty lists, not readings made up."""
+    doc = _head("Thermal", f"{ids.chassis}/Thermal", "Thermal", "Thermal")
+    doc.update({"Description": "A virtual machine has no fans and no temperature sensors.", "Fans": [],
+                "Temperatures": [], "Status": _status()})
+    return doc
+
+
+def manager_interface(ids: Ids, host_name: str, fqdn: str | None, address: str) -> dict[str, Any]:
+    """How clients reach the BMC: the Kubernetes Service's address and names (the agent's pod address changes with
+    every restart). A Service has no MAC, no link speed and no gateway of its own: those are null, not invented;
+    its ClusterIP is one address (a /32), assigned by the cluster (Static to the BMC: nothing it can change)."""
+    doc = _head("EthernetInterface", f"{ids.manager}/EthernetInterfaces/{MANAGER_NIC}", MANAGER_NIC,
+                "Kubernetes Service")
+    doc.update({
+        "Description": "The Service clients reach this BMC through.",
+        "MACAddress": None, "PermanentMACAddress": None, "SpeedMbps": None, "InterfaceEnabled": True,
+        "LinkStatus": "LinkUp", "Status": _status(), "HostName": host_name, "FQDN": fqdn,
+        "NameServers": [], "DHCPv4": {"DHCPEnabled": False}, "DHCPv6": {"OperatingMode": "Disabled"},
+        "IPv4Addresses": [{"Address": address, "SubnetMask": "255.255.255.255", "AddressOrigin": "Static",
+                           "Gateway": None}] if address else [],
+    })
+    return doc
+
+
+MANAGER_NIC = "Service"
+
+
+# ---- logs: the system event log (SEL) and the BMC's audit trail
+
+SEL_LOG = "SEL"
+AUDIT_LOG = "AuditLog"
+
+
+def log_service(path: str, id_: str, name: str, description: str, entry_type: str, capacity: int,
+                overwrite: str, now: float) -> dict[str, Any]:
+    doc = _head("LogService", path, id_, name)
+    doc.update({
+        "Description": description, "MaxNumberOfRecords": capacity, "OverWritePolicy": overwrite,
+        "DateTime": _iso(now), "DateTimeLocalOffset": "+00:00", "ServiceEnabled": True, "LogEntryType": entry_type,
+        "Status": _status(), "Entries": link(f"{path}/Entries"),
+        "Actions": {"#LogService.ClearLog": {"target": f"{path}/Actions/LogService.ClearLog"}},
+    })
+    return doc
+
+
+def sel_entry(base: str, record: LogRecord) -> dict[str, Any]:
+    """A system event log record; an entry an IPMI client added is shown as the bytes it added."""
+    doc = _head("LogEntry", f"{base}/Entries/{record.record_id}", str(record.record_id),
+                f"SEL entry {record.record_id}")
+    message = record.message or f"An IPMI client added this SEL entry: {record.raw.hex(' ')}."
+    doc.update({"EntryType": "SEL", "Created": _iso(record.stamp), "Message": message,
+                "Severity": "Warning" if record.kind == "Warning" else "OK"})
+    return doc
+
+
+def audit_entry(base: str, entry: Any) -> dict[str, Any]:
+    """An audit record: who did what, through which protocol, from where, and how it ended."""
+    f = entry.fields
+    doc = _head("LogEntry", f"{base}/Entries/{entry.entry_id}", str(entry.entry_id), f"Audit entry {entry.entry_id}")
+    who = f"user {f['user']}" if f.get("user", "-") != "-" else "no user"
+    doc.update({"EntryType": "Event", "Created": _iso(entry.stamp),
+                "Message": f"{f['action']} by {who} through {f['protocol']} from {f['source']}: {f['result']}",
+                "Severity": "Warning" if entry.warning else "OK"})
     return doc
 
 
