@@ -110,9 +110,12 @@ class Service:
         self.store.clear()
         self.reset_until = time.monotonic() + RESET_WINDOW
         machine = self.machine
-        threading.Thread(target=machine.record_event, args=(
-            MANAGER_RESET, f"the BMC was reset ({reset_type}): its sessions ended; the VM was not touched"),
-            daemon=True).start()
+
+        def announce() -> None:  # may take a second (a Kubernetes Event): not on the request's thread
+            machine.record_event(MANAGER_RESET, f"the BMC was reset ({reset_type}): its sessions ended; the VM was "
+                                                "not touched")
+
+        threading.Thread(target=announce, daemon=True).start()
 
     def resetting(self) -> int:
         """Seconds left (rounded up) in a reset's window; 0 when the service answers."""
