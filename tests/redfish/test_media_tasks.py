@@ -15,7 +15,15 @@ from kubernetes import client
 
 from vbmc.machine.kubevirt import imagecheck
 
-from ..support.agents import PASSWORD, USER, AgentProcess, agent_for_vm, sushy_at, write_serving_certificate
+from ..support.agents import (
+    PASSWORD,
+    USER,
+    AgentProcess,
+    agent_for_vm,
+    running_agent,
+    sushy_at,
+    write_serving_certificate,
+)
 from ..support.cluster import Sim, call, start_sim, wait_for
 from ..support.images import ImageServer
 from ..support.vms import get_vmi, running_vmi_uid
@@ -207,6 +215,24 @@ def test_a_power_on_held_by_an_import_that_fails_boots_without_the_medium(
         shown = agent.redfish("GET", CD)[1]
         assert shown["Inserted"] is False and shown["Status"]["Health"] == "Warning"
         assert power_state(agent) == "On"
+
+
+def test_a_held_power_on_survives_an_agent_restart(slow_imports: tuple[Sim, client.ApiClient],
+                                                  images: ImageServer) -> None:
+    # The intent is in the cluster (the VMI KubeVirt holds), not in the agent: a new agent finds the failed import
+    # and lets the VM boot, as the first one would have.
+    slow, api = slow_imports
+    with agent_for_vm(slow, api, "m") as agent:
+        assert insert(agent, f"{images.base}/broken")[0] == 202
+        assert agent.redfish("POST", "/redfish/v1/Systems/vm/Actions/ComputerSystem.Reset",
+                             {"ResetType": "On"})[0] == 204
+    wait_for(lambda: (call(api, "GET", DVS.format(ns="m") + "/vm-cdrom").body.get("status") or {}).get("phase")
+             == "Failed", timeout=10, what="the import to fail with no agent")
+    vmi = get_vmi(api, "m")
+    assert vmi is not None and vmi["status"].get("phase") == "Pending"  # held: nothing booted
+    with running_agent("--namespace", "m", "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": slow.kubeconfig}) as again:
+        wait_for(lambda: running_vmi_uid(api, "m"), timeout=20, what="the new agent to let the VM boot")
+        assert power_state(again) == "On"
 
 
 def test_a_power_off_during_a_held_power_on_leaves_the_vm_off(

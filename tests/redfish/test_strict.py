@@ -186,6 +186,8 @@ def test_require_tls_refuses_credentials_over_http_and_takes_them_over_https(
     for resp in (requests.get(f"{agent.url}{SYSTEM}", auth=auth, timeout=5),
                  requests.post(f"{agent.url}/redfish/v1/SessionService/Sessions", timeout=5,
                                json={"UserName": USER, "Password": PASSWORD}),
+                 requests.post(f"{agent.url}/redfish/v1/SessionService/Sessions/Members/", timeout=5,
+                               json={"UserName": USER, "Password": PASSWORD}),
                  requests.get(f"{agent.url}{SYSTEM}", headers={"X-Auth-Token": "anything"}, timeout=5)):
         assert resp.status_code == 403
         assert "HTTPS only" in resp.json()["error"]["message"]
