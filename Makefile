@@ -18,9 +18,11 @@ lint: venv
 	$(BIN)/mypy
 
 # The tools the tests drive (ipmitool, freeipmi-tools, podman, runc, mmdebstrap, promtool, chromium and
-# chromium-driver): apt-get installs them when missing (sudo if not root).
+# chromium-driver): apt-get installs them when missing (sudo if not root); OpenStack Ironic, a real consumer
+# the tests run, in its own virtualenv (.venv-ironic).
 clients:
 	scripts/install-clients.sh
+	scripts/install-ironic.sh
 
 # The container image, from the Dockerfile, into the storage kubesim's container kubelet runs it from (podman or
 # buildah, else Docker; a base made from Debian's packages where no registry answers): scripts/image.py.
@@ -55,5 +57,5 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/consoles.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-ironic .mypy_cache .ruff_cache .pytest_cache *.egg-info
 	rm -rf .containers

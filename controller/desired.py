@@ -11,6 +11,7 @@ import base64
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from . import rollout
@@ -112,12 +113,39 @@ def cdrom_disks(vm: Obj | None) -> list[str]:
     return [str(d["name"]) for d in disks if isinstance(d, dict) and "cdrom" in d and d.get("name")]
 
 
+def vm_claims(vm: Obj | None) -> list[str]:
+    """The PersistentVolumeClaims whose capacity sizes the VM's disks (the agent reads them, running or not): those
+    its volumes name (a dataVolume's claim has the DataVolume's name) and its dataVolumeTemplates'."""
+    spec = (vm or {}).get("spec") or {}
+    names = {str((t.get("metadata") or {}).get("name") or "") for t in spec.get("dataVolumeTemplates") or []
+             if isinstance(t, dict)}
+    for volume in ((spec.get("template") or {}).get("spec") or {}).get("volumes") or []:
+        if not isinstance(volume, dict):
+            continue
+        source = volume.get("dataVolume") or volume.get("persistentVolumeClaim") or {}
+        if isinstance(source, dict):
+            names.add(str(source.get("name") or source.get("claimName") or ""))
+    return sorted(n for n in names if n)
+
+
+def created_disks(vm: Obj | None) -> list[str]:
+    """The DataVolumes of the disks the agent added (Redfish Volumes it created, labelled managed-by kubevbmc): it
+    may delete them again."""
+    templates = ((vm or {}).get("spec") or {}).get("dataVolumeTemplates") or []
+    return sorted(str(t["metadata"]["name"]) for t in templates if isinstance(t, dict)
+                  and ((t.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/managed-by") == "kubevbmc"
+                  and t["metadata"].get("name"))
+
+
 def desired_service_account(bmc: Obj, vm: str) -> Obj:
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(bmc, child_name(vm), vm)}
 
 
-def desired_role(bmc: Obj, vm: str, cdroms: list[str]) -> Obj:
-    """What the agent needs, restricted by resourceNames to its own VM, VMI, DataVolumes and VirtualMachineBMC.
+def desired_role(bmc: Obj, vm: str, cdroms: list[str], claims: Sequence[str] = (),
+                 disks: Sequence[str] = ()) -> Obj:
+    """What the agent needs, restricted by resourceNames to its own VM, VMI, DataVolumes, claims and
+    VirtualMachineBMC: `cdroms` are the VM's cdrom disks (media DataVolumes are named `<vm>-<disk>`), `claims` the
+    claims that size its disks (`vm_claims`), `disks` the DataVolumes of disks the agent added (`created_disks`).
 
     The RBAC docs: a list or watch is allowed by a resourceNames rule only when it carries the field selector
     `metadata.name=<name>` (the agent's watches do); create cannot be restricted by name (the name is not known
@@ -125,7 +153,8 @@ def desired_role(bmc: Obj, vm: str, cdroms: list[str]) -> Obj:
     them `<vm>-<cdrom disk>`.
     """
     bmc_name = bmc["metadata"]["name"]
-    dvs = sorted(f"{vm}-{disk}" for disk in cdroms)
+    dvs = sorted({f"{vm}-{disk}" for disk in cdroms} | set(disks))
+    claim_names = sorted(set(claims) | {f"{vm}-{disk}" for disk in cdroms})
     rules: list[Obj] = [
         {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachines"], "resourceNames": [vm],
          "verbs": ["get", "list", "watch", "patch"]},
@@ -156,6 +185,10 @@ def desired_role(bmc: Obj, vm: str, cdroms: list[str]) -> Obj:
     if ca_map is not None:
         # The image servers' CA bundle, read when checking an image URL (the import itself reads it as CDI).
         rules.append({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [ca_map.name],
+                      "verbs": ["get"]})
+    if claim_names:
+        # Disk sizes: a bound claim's capacity, read whether or not the VM runs.
+        rules.append({"apiGroups": [""], "resources": ["persistentvolumeclaims"], "resourceNames": claim_names,
                       "verbs": ["get"]})
     if dvs:
         rules.append({"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "resourceNames": dvs,
@@ -380,13 +413,15 @@ def desired_pool_service_account(namespace: str, pool: str, members: list[Obj]) 
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _pool_meta(namespace, pool, members)}
 
 
-def desired_pool_role(namespace: str, pool: str, members: list[Obj], served: list[tuple[Obj, str, list[str]]]) -> Obj:
+def desired_pool_role(namespace: str, pool: str, members: list[Obj],
+                      served: Sequence[tuple[Obj, str, list[str]] | tuple[Obj, str, list[str], Obj | None]]) -> Obj:
     """The union of the served members' Roles (`desired_role`: their VMs, VMIs, VirtualMachineBMCs, Secrets and
     DataVolumes by name), and the pool's own Secret: exactly what the members' agents would hold."""
     named: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]], set[str]] = {}
     unnamed: list[Obj] = []
-    for bmc, vm, cdroms in served:
-        for rule in desired_role(bmc, vm, cdroms)["rules"]:
+    for bmc, vm, cdroms, *of in served:
+        vm_obj = of[0] if of else None
+        for rule in desired_role(bmc, vm, cdroms, vm_claims(vm_obj), created_disks(vm_obj))["rules"]:
             key = (tuple(rule["apiGroups"]), tuple(rule["resources"]), tuple(rule["verbs"]))
             if "resourceNames" in rule:
                 named.setdefault(key, set()).update(rule["resourceNames"])

@@ -277,7 +277,8 @@ class Reconciler:
         namespace, vm_name = bmc["metadata"]["namespace"], spec.virtual_machine_ref.name
         tls_ref = spec.redfish.tls.secret_ref.name if spec.redfish.tls.secret_ref else ""
         self._apply(bmc, desired.desired_service_account(bmc, vm_name), created)
-        self._apply(bmc, desired.desired_role(bmc, vm_name, desired.cdrom_disks(vm)), created)
+        self._apply(bmc, desired.desired_role(bmc, vm_name, desired.cdrom_disks(vm), desired.vm_claims(vm),
+                                              desired.created_disks(vm)), created)
         self._apply(bmc, desired.desired_role_binding(bmc, vm_name), created)
         service = self._apply(bmc, desired.desired_service(bmc, vm_name, self.settings.default_service_type),
                               created)
@@ -382,7 +383,8 @@ class Reconciler:
                 tls = (self.caches.secrets.get(namespace, ref.name) if ref
                        else self._cached("Secret", namespace, desired.tls_secret_name(vm)))
             entries.append(desired.pool_member(member, vm, slot, secret, tls))
-            grants.append((member, vm, desired.cdrom_disks(self.caches.vms.get(namespace, vm))))
+            vm_obj = self.caches.vms.get(namespace, vm)
+            grants.append((member, vm, desired.cdrom_disks(vm_obj), vm_obj))
         self._apply(actor, desired.desired_pool_service_account(namespace, pool, owners), created)
         self._apply(actor, desired.desired_pool_role(namespace, pool, owners, grants), created)
         self._apply(actor, desired.desired_pool_role_binding(namespace, pool, owners), created)

@@ -201,6 +201,37 @@ def _validate_secret(obj: Obj, old: Obj | None) -> list[Cause]:
     return causes
 
 
+def _default_claim(obj: Obj) -> None:
+    """SetDefaults_PersistentVolumeClaim: Filesystem volume mode; a new claim is Pending until it is bound."""
+    spec = obj.setdefault("spec", {})
+    if isinstance(spec, dict):
+        spec.setdefault("volumeMode", "Filesystem")
+    obj.setdefault("status", {}).setdefault("phase", "Pending")
+
+
+def _validate_claim(obj: Obj, old: Obj | None) -> list[Cause]:
+    """ValidatePersistentVolumeClaimSpec: access modes and a storage request are required; once bound, only the
+    request may change (and only grow, which kubesim does not check)."""
+    spec = obj.get("spec") or {}
+    causes: list[Cause] = []
+    if not spec.get("accessModes"):
+        causes.append({"field": "spec.accessModes", "reason": "FieldValueRequired",
+                       "message": "Required value: at least 1 access mode is required"})
+    if not ((spec.get("resources") or {}).get("requests") or {}).get("storage"):
+        causes.append({"field": "spec.resources[storage]", "reason": "FieldValueRequired",
+                       "message": "Required value"})
+    if old is not None:
+        before, after = dict(old.get("spec") or {}), dict(spec)
+        for s in (before, after):
+            s.pop("resources", None)
+            s.pop("volumeName", None)  # the binder writes it once
+        if before != after:
+            causes.append({"field": "spec", "reason": "FieldValueForbidden",
+                           "message": "Forbidden: spec is immutable after creation except resources.requests "
+                                      "and volumeAttributesClassName for bound claims"})
+    return causes
+
+
 def _default_namespace(obj: Obj) -> None:
     name = obj.get("metadata", {}).get("name")
     if name:
@@ -259,6 +290,9 @@ def builtin_types() -> list[ResourceType]:
         ResourceType("", "v1", "Secret", "secrets", "secret", defaulter=_default_secret,
                      validator=_validate_secret, field_labels=frozenset({"type"})),
         ResourceType("", "v1", "ConfigMap", "configmaps", "configmap", short_names=("cm",)),
+        ResourceType("", "v1", "PersistentVolumeClaim", "persistentvolumeclaims", "persistentvolumeclaim",
+                     short_names=("pvc",), status_subresource=True, defaulter=_default_claim,
+                     validator=_validate_claim),
         ResourceType("", "v1", "ServiceAccount", "serviceaccounts", "serviceaccount", short_names=("sa",)),
         ResourceType("", "v1", "Event", "events", "event", short_names=("ev",), field_labels=_EVENT_FIELDS),
         ResourceType("", "v1", "Endpoints", "endpoints", "endpoints", short_names=("ep",)),

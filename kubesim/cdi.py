@@ -1,8 +1,8 @@
 """CDI's part of the simulated cluster: the DataVolume import controller.
 
 A DataVolume goes Pending → ImportScheduled → ImportInProgress (progress "N.NN%") → Succeeded over
-`import_delay`, with CDI's Bound, Ready and Running conditions and `status.claimName` (the PVC CDI would create
-has the DataVolume's name; kubesim serves no PVC kind). Phases, reasons and messages follow
+`import_delay`, with CDI's Bound, Ready and Running conditions and `status.claimName`: the PersistentVolumeClaim
+CDI creates, of the DataVolume's name and owned by it (kubesim/storage.py binds it). Phases, reasons and messages follow
 kubevirt/containerized-data-importer pkg/controller/datavolume (conditions.go, import-controller.go).
 
 Network rule: kubesim never sends traffic outside loopback. An http(s) source whose host is a loopback literal
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
+from . import errors
 from .loop import ControlLoop
 from .objects import clone, set_condition
 from .store import DELETED, Event, Store
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 DV_KEY = "cdi.kubevirt.io/datavolumes"
+CLAIM_KEY = "/persistentvolumeclaims"
 PENDING, IMPORT_SCHEDULED, IMPORT_IN_PROGRESS = "Pending", "ImportScheduled", "ImportInProgress"
 SUCCEEDED, FAILED = "Succeeded", "Failed"
 FINAL_PHASES = (SUCCEEDED, FAILED)
@@ -140,6 +142,27 @@ def _bytes(quantity: str) -> int | None:
     return int(quantity) if quantity.isdigit() else None
 
 
+def desired_claim(dv: Obj) -> Obj:
+    """The PersistentVolumeClaim CDI creates for a DataVolume: its storage request, access modes (ReadWriteOnce when
+    the DataVolume names none), volume mode and class, owned by the DataVolume."""
+    meta, spec = dv["metadata"], dv.get("spec") or {}
+    wanted = spec.get("storage") or spec.get("pvc") or {}
+    claim_spec: Obj = {"accessModes": list(wanted.get("accessModes") or ["ReadWriteOnce"]),
+                       "resources": {"requests": dict((wanted.get("resources") or {}).get("requests") or {})},
+                       "volumeMode": wanted.get("volumeMode") or "Filesystem"}
+    if wanted.get("storageClassName"):
+        claim_spec["storageClassName"] = wanted["storageClassName"]
+    kind, url = import_source(spec)
+    annotations = {"cdi.kubevirt.io/storage.import.endpoint": url} if kind == "http" else {}
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": meta["name"], "namespace": meta.get("namespace", ""),
+                         "labels": {"app": "containerized-data-importer"}, "annotations": annotations,
+                         "ownerReferences": [{"apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume",
+                                              "name": meta["name"], "uid": meta["uid"], "controller": True,
+                                              "blockOwnerDeletion": True}]},
+            "spec": claim_spec}
+
+
 def import_source(spec: Obj) -> tuple[str, str]:
     """(kind, url): "http" with its url, "blank", or "other" (registry, s3, upload, clone…: simulated)."""
     source: Obj = spec["source"] if isinstance(spec.get("source"), dict) else {}
@@ -227,6 +250,22 @@ class DataVolumeImporter(ControlLoop):
             return None
         return "\n".join(str(v) for v in ((cm or {}).get("data") or {}).values()) or None
 
+    def _ensure_claim(self, ns: str, dv: Obj) -> None:
+        """The claim the import writes into: named as its DataVolume and owned by it, so that deleting the
+        DataVolume deletes the claim (pkg/controller/datavolume: newPersistentVolumeClaim)."""
+        try:
+            rtype = self.store.type(CLAIM_KEY)
+        except KeyError:
+            return
+        name = dv["metadata"]["name"]
+        if self.store.find(rtype, ns, name) is not None:
+            return
+        try:
+            self.store.create(rtype, desired_claim(dv), namespace=ns, manager=self.manager)
+        except errors.ApiError as exc:
+            if exc.code != 409:
+                raise
+
     def keys_for(self, event: Event) -> Iterable[Hashable]:
         meta = event.obj["metadata"]
         if event.type == DELETED:
@@ -249,6 +288,7 @@ class DataVolumeImporter(ControlLoop):
         if status.get("phase") in FINAL_PHASES:
             return None
         uid = dv["metadata"]["uid"]
+        self._ensure_claim(ns, dv)
         elapsed = time.monotonic() - self._seen.setdefault(uid, time.monotonic())
         kind, url = import_source(dv.get("spec") or {})
         phase = import_phase(elapsed, self.delay, kind)

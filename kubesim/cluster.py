@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from . import builtin, cdi, kubelet, kubevirt, network, workloads
+from . import builtin, cdi, kubelet, kubevirt, network, storage, workloads
 from .certs import serving_cert
 from .crd import CRD_KEY, CRDController
 from .gc import GarbageCollector, NamespaceController
@@ -156,7 +156,7 @@ class Cluster:
             self.store.add_type(rtype)
         self.components += [CRDController(self.store), GarbageCollector(self.store),
                             NamespaceController(self.store)]
-        for part in (network, workloads, kubelet, kubevirt, cdi):
+        for part in (network, workloads, kubelet, storage, kubevirt, cdi):
             part.install(self)
 
     @property

@@ -43,6 +43,7 @@ GROUP = "kubevirt.io"
 VM_KEY = "kubevirt.io/virtualmachines"
 VMI_KEY = "kubevirt.io/virtualmachineinstances"
 DV_KEY = "cdi.kubevirt.io/datavolumes"
+CLAIM_KEY = "/persistentvolumeclaims"
 SUBRESOURCE_GROUP = "subresources.kubevirt.io"
 
 VM_CONTROLLER_FINALIZER = "kubevirt.io/virtualMachineControllerFinalize"
@@ -671,46 +672,62 @@ def claim_of(volume: Obj) -> str:
     return ""
 
 
-def claim_info(volume: Obj, datavolume: Callable[[str], Obj | None]) -> Obj | None:
-    """virt-controller's persistentVolumeClaimInfo for a claim-backed volume: the claim's capacity (kubesim has no
-    PVC kind: a claim is its DataVolume, and its capacity the DataVolume's storage request)."""
+def claim_info(volume: Obj, claim: Callable[[str], Obj | None]) -> Obj | None:
+    """virt-controller's persistentVolumeClaimInfo for a claim-backed volume, copied from the claim
+    (pkg/storage/types/pvc.go, VirtVolumesToPVCMap and the VMI controller's volume status): access modes, volume
+    mode and requests from its spec, capacity from its status (empty until it is bound)."""
     if "dataVolume" not in volume and "persistentVolumeClaim" not in volume:
         return None
-    claim = claim_of(volume)
-    dv = datavolume(claim) if claim else None
-    dv_spec = _spec(dv)
-    request = (((dv_spec.get("storage") or dv_spec.get("pvc") or {}).get("resources") or {}).get("requests")
-               or {}).get("storage")
-    if not request:
+    name = claim_of(volume)
+    pvc = claim(name) if name else None
+    if pvc is None:
         return None
-    return {"claimName": claim, "accessModes": ["ReadWriteOnce"], "volumeMode": "Filesystem",
-            "capacity": {"storage": request}, "requests": {"storage": request}, "filesystemOverhead": "0.055"}
+    spec = _spec(pvc)
+    return {"claimName": name, "accessModes": list(spec.get("accessModes") or []),
+            "volumeMode": spec.get("volumeMode") or "Filesystem",
+            "capacity": dict(_status(pvc).get("capacity") or {}),
+            "requests": dict((spec.get("resources") or {}).get("requests") or {}), "filesystemOverhead": "0.055"}
 
 
-def volume_statuses(vmi: Obj, datavolume: Callable[[str], Obj | None]) -> list[Obj]:
+def claim_ready(pvc: Obj | None, datavolume: Callable[[str], Obj | None]) -> bool:
+    """VolumeReadyToAttachToNode (pkg/storage/types/pvc.go): the claim must exist; one a DataVolume populates is
+    ready once that DataVolume has Succeeded (IsSucceededOrPendingPopulation); any other is ready as it is."""
+    if pvc is None:
+        return False
+    owner = next((r for r in _meta(pvc).get("ownerReferences") or []
+                  if r.get("kind") == "DataVolume" and r.get("controller")), None)
+    if owner is None:
+        return True
+    dv = datavolume(str(owner.get("name") or ""))
+    return _status(dv).get("phase") in (SUCCEEDED, "PendingPopulation")
+
+
+def volume_statuses(vmi: Obj, datavolume: Callable[[str], Obj | None],
+                    claim: Callable[[str], Obj | None]) -> list[Obj]:
     """status.volumeStatus: one entry per volume; hotplugged ones go Pending/Bound → Ready once the
-    DataVolume behind their claim has Succeeded (kubesim has no PVC kind: a claim is its DataVolume)."""
+    DataVolume behind their claim has Succeeded."""
     spec = _spec(vmi)
     uid = str(_meta(vmi).get("uid", ""))
     targets = disk_targets(spec)
     out = []
     for v in spec.get("volumes") or []:
         name = str(v.get("name"))
-        entry: Obj = {"name": name}
+        # VolumeStatus.Target has no omitempty (the CRD requires it): "" until the volume has a device.
+        entry: Obj = {"name": name, "target": ""}
         if not is_declarative_hotplug(v):
             if name in targets:
                 entry["target"] = targets[name]
-            info = claim_info(v, datavolume)
+            info = claim_info(v, claim)
             if info:
                 entry["persistentVolumeClaimInfo"] = info
             out.append(entry)
             continue
-        claim = claim_of(v)
-        dv = datavolume(claim)
+        claim_name = claim_of(v)
+        dv = datavolume(claim_name)
         phase = _status(dv).get("phase")
         entry["hotplugVolume"] = {}
         if dv is None:
-            entry.update(phase="Pending", reason="FailedPvcNotFound", message=f"PVC {claim} not found")
+            entry.update(phase="Pending", reason="FailedPvcNotFound", message=f"PVC {claim_name} not found")
         elif phase != SUCCEEDED:
             bound = _has_condition(dv, "Bound")
             entry.update(phase="Bound" if bound else "Pending", reason="PVCNotReady",
@@ -1122,7 +1139,7 @@ class VirtualMachineInstanceController(ControlLoop):
     """virt-controller's VMI controller and virt-handler together: a VMI boots, runs and shuts down."""
 
     name = "virt-handler"
-    kinds = (VMI_KEY, DV_KEY)
+    kinds = (VMI_KEY, DV_KEY, CLAIM_KEY)
     manager = "virt-handler"
 
     def __init__(self, store: Store, start_delay: float, stop_delay: float, node: str = DEFAULT_NODE) -> None:
@@ -1137,7 +1154,7 @@ class VirtualMachineInstanceController(ControlLoop):
     def keys_for(self, event: Event) -> Iterable[Hashable]:
         meta = event.obj["metadata"]
         ns = meta.get("namespace", "")
-        if event.rtype.key == DV_KEY:
+        if event.rtype.key in (DV_KEY, CLAIM_KEY):
             return [("datavolume", ns, meta["name"])]
         if event.type == DELETED:
             self._clock.pop(meta.get("uid", ""), None)
@@ -1159,6 +1176,9 @@ class VirtualMachineInstanceController(ControlLoop):
 
     def _datavolume(self, namespace: str) -> Callable[[str], Obj | None]:
         return lambda name: self.k.find(DV_KEY, namespace, name)
+
+    def _claim(self, namespace: str) -> Callable[[str], Obj | None]:
+        return lambda name: self.k.find(CLAIM_KEY, namespace, name)
 
     def _sync_vmi(self, ns: str, name: str) -> float | None:
         vmi_type = self.k.rtype(VMI_KEY)
@@ -1189,12 +1209,11 @@ class VirtualMachineInstanceController(ControlLoop):
                 else:
                     again = remaining
         else:
-            dv = self._datavolume(ns)
-            waiting = [c for c in _volume_claims(_spec(vmi), hotplug=False)
-                       if dv(c) is not None and _status(dv(c)).get("phase") != SUCCEEDED]
-            missing = [c for c in _volume_claims(_spec(vmi), hotplug=False) if dv(c) is None]
-            if (waiting or missing) and phase in ("", PENDING):
-                # Real virt-controller does not create the launcher pod before the DataVolumes are ready.
+            dv, claim = self._datavolume(ns), self._claim(ns)
+            waiting = [c for c in _volume_claims(_spec(vmi), hotplug=False) if not claim_ready(claim(c), dv)]
+            if waiting and phase in ("", PENDING):
+                # virt-controller creates no launcher pod before its claims are ready (areDataVolumesReady,
+                # pkg/virt-controller/watch/vmi/datavolumes.go; hotpluggable volumes are not waited for).
                 phase = PENDING
             else:
                 clock = self._clock.setdefault(state.uid, now_)
@@ -1210,6 +1229,7 @@ class VirtualMachineInstanceController(ControlLoop):
 
     def _write(self, vmi_type: ResourceType, vmi: Obj, phase: str) -> None:
         datavolume = self._datavolume(str(_meta(vmi)["namespace"]))
+        claim = self._claim(str(_meta(vmi)["namespace"]))
 
         def change(obj: Obj) -> None:
             meta, spec = obj["metadata"], _spec(obj)
@@ -1229,7 +1249,7 @@ class VirtualMachineInstanceController(ControlLoop):
                 if old_phase != RUNNING and spec.get("startStrategy") == "Paused":
                     conditions = set_condition(conditions, "Paused", "True", "PausedByUser", "VMI was paused by user")
                 status["interfaces"] = interface_statuses(obj)
-                volumes = volume_statuses(obj, datavolume)
+                volumes = volume_statuses(obj, datavolume, claim)
                 if volumes:
                     status["volumeStatus"] = volumes
                 else:

@@ -199,7 +199,8 @@ def test_virtual_media_insert_and_eject(api: client.ApiClient, namespace: str, m
     image = f"{image_server.base}/installer.iso"
     machine.insert_media(image)
     volumes = get_vm(api, namespace)["spec"]["template"]["spec"]["volumes"]
-    assert {"name": "cdrom", "dataVolume": {"name": "vm-cdrom", "hotpluggable": True}} in volumes
+    # The VM is off: the medium is part of its next start (not hotplugged: tests/redfish/test_media_tasks.py)
+    assert {"name": "cdrom", "dataVolume": {"name": "vm-cdrom"}} in volumes
     wait_for(lambda: machine.virtual_media().state == MediaState.INSERTED, timeout=5, what="imported")
     assert machine.virtual_media().image == image
     with pytest.raises(InvalidRequest):
@@ -208,6 +209,18 @@ def test_virtual_media_insert_and_eject(api: client.ApiClient, namespace: str, m
     assert not machine.virtual_media().inserted
     dv = call(api, "GET", f"/apis/cdi.kubevirt.io/v1beta1/namespaces/{namespace}/datavolumes/vm-cdrom")
     assert dv.status == 404 or dv.body["metadata"].get("deletionTimestamp")
+
+
+def test_a_medium_goes_into_a_running_vm_by_hotplug(api: client.ApiClient, namespace: str, machine: KubeVirtMachine,
+                                                    image_server: Any) -> None:
+    machine.reset(ResetType.ON)
+    wait_for(lambda: running_vmi_uid(api, namespace), timeout=10, what="the VM to run")
+    machine.insert_media(f"{image_server.base}/installer.iso")
+    volumes = get_vm(api, namespace)["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "cdrom", "dataVolume": {"name": "vm-cdrom", "hotpluggable": True}} in volumes
+    wait_for(lambda: any(v["name"] == "cdrom" for v in (get_vmi(api, namespace) or {})["spec"].get("volumes", [])),
+             timeout=10, what="the medium to be hotplugged into the running VMI")
+    assert machine.power_state() == PowerState.ON
 
 
 def test_virtual_media_without_a_cdrom_is_a_clear_error(api: client.ApiClient, namespace: str,

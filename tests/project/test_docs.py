@@ -210,14 +210,21 @@ def events_in_code() -> set[str]:
     """Event reasons: `recorder.event(obj, type, "Reason", message)` in the controller and
     `self._event("Reason", message)` or `machine.record_event("Reason", message, type)` in the agent."""
     found = set()
-    for path in python_files("controller", "vbmc"):
-        for node in ast.walk(ast.parse(path.read_text())):
+    trees = [ast.parse(path.read_text()) for path in python_files("controller", "vbmc")]
+    # A reason may be a module constant (MANAGER_RESET = "ManagerReset", shared with the frontend that hears it).
+    constants = {t.id: n.value.value for tree in trees for n in tree.body if isinstance(n, ast.Assign)
+                 and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                 for t in n.targets if isinstance(t, ast.Name)}
+    for tree in trees:
+        for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
             position = {"event": 2, "_event": 0, "record_event": 0}.get(node.func.attr)
             reason = node.args[position] if position is not None and len(node.args) > position else None
             if isinstance(reason, ast.Constant) and isinstance(reason.value, str):
                 found.add(reason.value)
+            elif isinstance(reason, ast.Name) and reason.id in constants:
+                found.add(constants[reason.id])
     return found
 
 

@@ -72,28 +72,30 @@ def test_ironic_style_inspection_reads_what_the_vm_is(system: Any, api: client.A
     assert system.memory_summary.size_gib == 6
     assert system.model == "q35" and system.manufacturer == "KubeVirt"
     assert system.ethernet_interfaces.summary.keys() == {"02:00:00:00:10:01", "02:00:00:00:10:02"}
-    # the DataVolume template's request; the claim is known once a VMI has bound it; the containerDisk never
-    assert system.simple_storage.disks_sizes_bytes == [20 * GI]
-    storage = system.storage.get_members()[0]
-    by_name = {d.identity: d for d in storage.drives}
-    assert set(by_name) == {"root", "data", "tools"}  # a cdrom is not a drive
-    assert by_name["root"].capacity_bytes == 20 * GI and by_name["tools"].capacity_bytes is None
-    assert (by_name["root"].protocol, by_name["data"].protocol) == (sushy.Protocol.PCIe, sushy.Protocol.SATA)
-
-    # running: the bound claims' capacity, as the VMI reports it
-    system.reset_system(sushy.ResetType.ON)
-    wait_for(lambda: running_vmi_uid(api, namespace), timeout=15, what="the VM to run")
-
+    # off: the bound claims' capacity; the containerDisk's size is stated nowhere: a SimpleStorage device with no
+    # size (sushy drops it), and neither a Drive nor a Volume (where Ironic compares sizes)
     def sizes() -> list[int]:
         system.simple_storage.refresh(force=True)
         for member in system.simple_storage.get_members():
             member.refresh(force=True)
         return sorted(system.simple_storage.disks_sizes_bytes)
 
-    wait_for(lambda: sizes() == [5 * GI, 20 * GI], timeout=10, what="the claim's capacity")
+    wait_for(lambda: sizes() == [5 * GI, 20 * GI], timeout=10, what="the claims to be bound")
+    devices = {d.name: d.capacity_bytes for m in system.simple_storage.get_members() for d in m.devices}
+    assert devices == {"root": 20 * GI, "data": 5 * GI, "tools": None}  # a cdrom is not a disk
+    storage = system.storage.get_members()[0]
+    by_name = {d.identity: d for d in storage.drives}
+    assert set(by_name) == {"root", "data"}
+    assert (by_name["root"].protocol, by_name["data"].protocol) == (sushy.Protocol.PCIe, sushy.Protocol.SATA)
+    assert storage.volumes.volumes_sizes_bytes == [5 * GI, 20 * GI]  # what Ironic's local_gb compares
     assert storage.controllers.get_members()[0].identity == resources.CONTROLLER_ID
+
+    # running: the same sizes, from the claims (and the VMI's view of them)
+    system.reset_system(sushy.ResetType.ON)
+    wait_for(lambda: running_vmi_uid(api, namespace), timeout=15, what="the VM to run")
+    assert sizes() == [5 * GI, 20 * GI]
     volumes = {v.identity: v.capacity_bytes for v in storage.volumes.get_members()}
-    assert volumes == {"root": 20 * GI, "data": 5 * GI, "tools": None}
+    assert volumes == {"root": 20 * GI, "data": 5 * GI}
 
 
 @pytest.mark.parametrize(("arch", "expected"), [("amd64", ("x86", "x86-64", "q35")),
@@ -116,19 +118,34 @@ def test_an_instancetype_is_the_model_and_unknown_sizes_stay_absent() -> None:
     assert [(d.name, d.size_bytes) for d in inv.disks] == [("a", None), ("b", 2 * GI)]
 
 
-def test_ironics_raid_interface_creates_a_volume_as_a_blank_disk_for_the_next_boot(
+def test_ironics_raid_interface_creates_and_deletes_single_drive_raid0_volumes(
         agent: AgentProcess, api: client.ApiClient, namespace: str) -> None:
     volumes = "/redfish/v1/Systems/vm/Storage/1/Volumes"
     collection = agent.redfish("GET", volumes)[1]
     assert collection["@Redfish.OperationApplyTimeSupport"] == {"SupportedValues": ["OnReset"]}
     before = call(api, "GET", f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines/vm").body
-    for bad in ({"CapacityBytes": 0}, {"CapacityBytes": GI, "RAIDType": "RAID1"}, {"RAIDType": "None"}):
+    for bad in ({"CapacityBytes": 0}, {"CapacityBytes": GI, "RAIDType": "RAID1"}, {"RAIDType": "RAID0"},
+                {"CapacityBytes": GI, "RAIDType": "None"},
+                {"CapacityBytes": GI, "RAIDType": "RAID0", "Links": {"Drives": [
+                    {"@odata.id": "/redfish/v1/Chassis/vm/Drives/root"},
+                    {"@odata.id": "/redfish/v1/Chassis/vm/Drives/data"}]}},
+                {"CapacityBytes": GI, "Links": {"Drives": [{"@odata.id": "/redfish/v1/Chassis/vm/Drives/nope"}]}},
+                {"CapacityBytes": GI, "@Redfish.OperationApplyTime": "Immediate"}):
         assert agent.redfish("POST", volumes, bad)[0] == 400, bad
+    status, refused = agent.redfish("POST", volumes, {"CapacityBytes": GI, "RAIDType": "RAID5"})
+    assert "RAID5" in refused["error"]["message"] and "RAID0" in refused["error"]["message"]
     after = call(api, "GET", f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines/vm").body
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]  # nothing changed
+    controller = agent.redfish("GET", "/redfish/v1/Systems/vm/Storage/1/Controllers/1")[1]
+    assert controller["SupportedRAIDTypes"] == ["RAID0"]
 
-    status, created = agent.redfish("POST", volumes, {"CapacityBytes": 10 * GI, "RAIDType": "None"})
+    # what Ironic's RAID interface posts (raid.py, _construct_volume_payload), on a drive it chose
+    status, created = agent.redfish("POST", volumes, {
+        "CapacityBytes": 10 * GI, "RAIDType": "RAID0", "Name": "data-volume",
+        "Links": {"Drives": [{"@odata.id": "/redfish/v1/Chassis/vm/Drives/root"}]},
+        "@Redfish.OperationApplyTime": "OnReset"})
     assert status == 201 and created["Id"] == "disk1" and created["CapacityBytes"] == 10 * GI
+    assert created["RAIDType"] == "RAID0"
     vm = call(api, "GET", f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines/vm").body
     template = next(t for t in vm["spec"]["dataVolumeTemplates"] if t["metadata"]["name"] == "vm-disk1")
     assert template["spec"]["storage"]["resources"]["requests"]["storage"] == "10Gi"
@@ -136,3 +153,14 @@ def test_ironics_raid_interface_creates_a_volume_as_a_blank_disk_for_the_next_bo
     assert {"name": "disk1", "dataVolume": {"name": "vm-disk1"}} in vm["spec"]["template"]["spec"]["volumes"]
     members = {m["@odata.id"] for m in agent.redfish("GET", volumes)[1]["Members"]}
     assert f"{volumes}/disk1" in members
+    root = agent.redfish("GET", f"{volumes}/root")[1]
+    assert "RAIDType" not in root  # the VM's own disk: not a volume this controller made
+
+    # delete_configuration deletes the volumes with a RAIDType: only the one it made
+    assert agent.redfish("DELETE", f"{volumes}/root")[0] == 400
+    assert agent.redfish("DELETE", f"{volumes}/disk1", {"@Redfish.OperationApplyTime": "OnReset"})[0] == 204
+    vm = call(api, "GET", f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines/vm").body
+    assert all(t["metadata"]["name"] != "vm-disk1" for t in vm["spec"].get("dataVolumeTemplates", []))
+    assert all(v["name"] != "disk1" for v in vm["spec"]["template"]["spec"]["volumes"])
+    wait_for(lambda: call(api, "GET", f"/apis/cdi.kubevirt.io/v1beta1/namespaces/{namespace}/datavolumes/vm-disk1"
+                          ).status == 404, timeout=5, what="the disk's DataVolume to go")

@@ -186,6 +186,8 @@ def test_require_tls_refuses_credentials_over_http_and_takes_them_over_https(
     for resp in (requests.get(f"{agent.url}{SYSTEM}", auth=auth, timeout=5),
                  requests.post(f"{agent.url}/redfish/v1/SessionService/Sessions", timeout=5,
                                json={"UserName": USER, "Password": PASSWORD}),
+                 requests.post(f"{agent.url}/redfish/v1/SessionService/Sessions/Members/", timeout=5,
+                               json={"UserName": USER, "Password": PASSWORD}),
                  requests.get(f"{agent.url}{SYSTEM}", headers={"X-Auth-Token": "anything"}, timeout=5)):
         assert resp.status_code == 403
         assert "HTTPS only" in resp.json()["error"]["message"]
@@ -237,7 +239,7 @@ def test_post_to_a_collections_members_creates_as_the_collection_does(client: Fl
                                                                      machine: MemoryMachine) -> None:
     volumes = f"{SYSTEM}/Storage/1/Volumes"
     before = len(client.get(volumes, headers=AUTH).json["Members"])  # type: ignore[index]
-    created = client.post(f"{volumes}/Members", json={"CapacityBytes": 2**30, "RAIDType": "None"}, headers=AUTH)
+    created = client.post(f"{volumes}/Members", json={"CapacityBytes": 2**30, "RAIDType": "RAID0"}, headers=AUTH)
     assert created.status_code == 201 and created.headers["Location"].startswith(f"{volumes}/")
     assert len(client.get(volumes, headers=AUTH).json["Members"]) == before + 1  # type: ignore[index]
     subscriptions = "/redfish/v1/EventService/Subscriptions"

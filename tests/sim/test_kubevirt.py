@@ -946,3 +946,88 @@ def test_a_vm_with_a_failed_datavolume_is_printed_datavolume_error(custom: clien
 
     assert printable(custom, namespace, "vm") == "DataVolumeError"
     assert get_vmi(custom, namespace, "vm") is None
+
+
+def test_a_start_request_waits_for_the_vms_datavolumes_to_import(custom: client.CustomObjectsApi, api: client.ApiClient,
+                                                                  namespace: str) -> None:
+    # KubeVirt's VM controller (pkg/virt-controller/watch/vm/vm.go, handleDataVolumes and sync) creates no VMI
+    # while a dataVolumeTemplates entry has not Succeeded: the start request waits in the VM's status.
+    manifest = vm_manifest("vm", MANUAL)
+    manifest["spec"]["dataVolumeTemplates"] = [{"metadata": {"name": "vm-iso"}, "spec": {
+        "source": {"http": {"url": "http://images.kubesim.invalid/boot.iso"}},
+        "storage": {"resources": {"requests": {"storage": "1Gi"}}}}}]
+    template = manifest["spec"]["template"]["spec"]
+    template["volumes"].append({"name": "cd", "dataVolume": {"name": "vm-iso"}})
+    create_vm(custom, namespace, manifest)
+    assert vm_action(api, namespace, "vm", "start")[0] == 202
+    seen: list[tuple[str, str, bool]] = []
+
+    def sample() -> bool:
+        phase = get_datavolume(custom, namespace, "vm-iso").get("status", {}).get("phase", "")
+        vm = get_vm(custom, namespace, "vm")
+        vmi = get_vmi(custom, namespace, "vm")
+        seen.append((phase, vm.get("status", {}).get("printableStatus", ""), vmi is not None))
+        return vmi is not None
+
+    wait_for(sample, 5, interval=0.01, what="the VMI")
+    assert all(phase == "Succeeded" for phase, _, created in seen if created), seen
+    assert any(printable == "Provisioning" and not created for _, printable, created in seen), seen
+
+
+def get_claim(api: client.ApiClient, ns: str, name: str) -> Obj:
+    return client.CoreV1Api(api).api_client.sanitize_for_serialization(
+        client.CoreV1Api(api).read_namespaced_persistent_volume_claim(name, ns))
+
+
+def test_a_datavolume_gets_a_bound_claim_of_its_name_and_size(custom: client.CustomObjectsApi, api: client.ApiClient,
+                                                               namespace: str) -> None:
+    dv = create_datavolume(custom, namespace, "scratch", {"blank": {}})
+
+    claim = wait_for(lambda: get_claim(api, namespace, "scratch") if any(
+        c.metadata.name == "scratch" and c.status.phase == "Bound"
+        for c in client.CoreV1Api(api).list_namespaced_persistent_volume_claim(namespace).items) else None, 5,
+        what="the bound claim")
+
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == dv["metadata"]["uid"]
+    assert claim["status"]["capacity"] == {"storage": "1Gi"} and claim["spec"]["volumeName"].startswith("pvc-")
+
+
+def test_a_claim_without_a_storage_request_is_422(api: client.ApiClient, namespace: str) -> None:
+    body = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "c"},
+            "spec": {"accessModes": ["ReadWriteOnce"]}}
+    with pytest.raises(client.ApiException) as raised:
+        client.CoreV1Api(api).create_namespaced_persistent_volume_claim(namespace, body)
+    assert raised.value.status == 422
+    assert json.loads(raised.value.body)["details"]["causes"][0]["field"] == "spec.resources[storage]"
+
+
+def test_a_vm_on_a_plain_claim_runs_and_its_vmi_states_the_claims_capacity(
+        custom: client.CustomObjectsApi, api: client.ApiClient, namespace: str) -> None:
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"},
+             "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "7Gi"}}}}
+    client.CoreV1Api(api).create_namespaced_persistent_volume_claim(namespace, claim)
+    manifest = vm_manifest("vm", ALWAYS)
+    template = manifest["spec"]["template"]["spec"]
+    template["domain"]["devices"]["disks"].append({"name": "data", "disk": {"bus": "virtio"}})
+    template["volumes"].append({"name": "data", "persistentVolumeClaim": {"claimName": "data"}})
+
+    vmi = running_vm(custom, api, namespace, manifest)
+
+    info = (_volume_status(vmi, "data") or {}).get("persistentVolumeClaimInfo") or {}
+    assert info["capacity"] == {"storage": "7Gi"} and info["requests"] == {"storage": "7Gi"}
+
+
+def test_every_volume_status_has_a_target_even_before_its_device_exists() -> None:
+    # VolumeStatus.Target has no omitempty and the VMI CRD requires it: a hotplugged volume whose import failed
+    # is written with "target": "", or the whole status write (the VMI's phase with it) is refused.
+    vmi = {"metadata": {"name": "vm", "namespace": "ns", "uid": "u"}, "spec": {
+        "domain": {"devices": {"disks": [{"name": "cd", "cdrom": {"bus": "sata"}}]}},
+        "volumes": [{"name": "cd", "dataVolume": {"name": "iso", "hotpluggable": True}},
+                    {"name": "ci", "cloudInitNoCloud": {"userData": "#cloud-config"}}]}}
+    failed = {"metadata": {"name": "iso"}, "status": {"phase": "Failed", "conditions": [
+        {"type": "Bound", "status": "True"}]}}
+
+    statuses = kubevirt.volume_statuses(vmi, lambda name: failed if name == "iso" else None, lambda name: None)
+
+    assert [(s["name"], s["target"]) for s in statuses] == [("cd", ""), ("ci", "")]
+    assert statuses[0]["phase"] == "Bound" and statuses[0]["reason"] == "PVCNotReady"

@@ -10,6 +10,10 @@ password; URLs go through `redact_url` before they reach a log line, an Event or
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -48,13 +52,54 @@ def describe(actor: Actor | None = None) -> str:
     return f"through {actor.protocol} from {actor.source or 'an unknown address'}{who}"
 
 
+@dataclass(frozen=True)
+class Entry:
+    entry_id: int  # 1, 2, ... per trail, never reused
+    stamp: float  # time.time() when recorded
+    fields: dict[str, object]  # FIELDS
+    warning: bool  # a refusal or a failure (logged at WARNING)
+
+
+class Trail:
+    """The recent audit records of one BMC (its Redfish Manager shows them as a LogService): what changed something
+    and every refusal, the last `capacity` of them, the oldest dropped first. Reads are not kept (they are logged at
+    DEBUG)."""
+
+    def __init__(self, capacity: int = 512, clock: Callable[[], float] = time.time) -> None:
+        self._lock = threading.Lock()
+        self._entries: deque[Entry] = deque(maxlen=capacity)
+        self._next = 1
+        self._clock = clock
+        self.capacity = capacity
+
+    def add(self, fields: dict[str, object], warning: bool) -> None:
+        with self._lock:
+            self._entries.append(Entry(self._next, self._clock(), fields, warning))
+            self._next += 1
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return list(self._entries)
+
+    def find(self, entry_id: int) -> Entry | None:
+        with self._lock:
+            return next((e for e in self._entries if e.entry_id == entry_id), None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
 def record(action: str, vm: str, result: str, duration: float = 0.0, *, actor: Actor | None = None,
-           level: int = logging.INFO) -> None:
-    """One audit line: `action` on `vm` ended with `result` after `duration` seconds."""
+           level: int = logging.INFO, trail: Trail | None = None) -> None:
+    """One audit line: `action` on `vm` ended with `result` after `duration` seconds; kept in `trail` too when it
+    is an action or a refusal (INFO and above)."""
     actor = actor or current() or Actor("", "")
     fields = {"protocol": actor.protocol or "-", "source": actor.source or "-", "user": actor.user or "-",
               "session": actor.session or "-", "action": action, "vm": vm, "result": result,
               "duration_ms": round(duration * 1000, 1)}
+    if trail is not None and level >= logging.INFO:
+        trail.add(fields, level >= logging.WARNING)
     if log.isEnabledFor(level):
         log.log(level, "audit " + " ".join(f"{k}=%r" if k in ("action", "result", "user") else f"{k}=%s"
                                             for k in FIELDS), *fields.values(), extra={"audit": fields})

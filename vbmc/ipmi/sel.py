@@ -1,5 +1,6 @@
-"""The System Event Log (IPMI v2.0 sections 31 and 32): what happened to the VM, from its event bus
-(vbmc/machine/events.py), as system event records of the sensors in sdr.py.
+"""The System Event Log (IPMI v2.0 sections 31 and 32): the machine's system event log (vbmc/machine/eventlog.py,
+which follows its event bus and which Redfish's LogService shows too), as system event records of the sensors in
+sdr.py.
 
 | bus event | sensor (type) | offset |
 |---|---|---|
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..machine.eventlog import CAPACITY, LogRecord, SystemEventLog
 from ..machine.events import POWER_STATE_CHANGED, Event
 from . import sdr
 from .codec import Completion
@@ -37,7 +39,6 @@ GET_SEL_TIME = 0x48
 SET_SEL_TIME = 0x49
 
 SEL_VERSION = 0x51
-CAPACITY = 256
 ENTRY_SIZE = 16
 RECORD_SYSTEM_EVENT = 0x02
 FIRST_TIMESTAMPED_OEM = 0xC0  # record types C0h-DFh carry a timestamp, E0h-FFh do not (section 32.2)
@@ -47,7 +48,6 @@ CLEAR_INITIATE = 0xAA
 CLEAR_STATUS = 0x00
 ERASURE_COMPLETED = 0x01
 LAST_ENTRY = 0xFFFF
-UNSPECIFIED_TIME = 0xFFFFFFFF  # section 37: an invalid or unspecified time (here: never)
 
 
 @dataclass(frozen=True)
@@ -92,72 +92,58 @@ def system_event_record(record_id: int, timestamp: int, reading: Reading) -> byt
 
 
 class EventLog:
-    """The SEL: entries, the reservation, the SEL clock (Set SEL Time moves it), thread-safe (the event bus
-    publishes on other threads)."""
+    """The SEL: IPMI's view of the machine's system event log (vbmc/machine/eventlog.py), which Redfish's LogService
+    shows too: its records as 16-byte system event records, the reservation, the SEL clock. Without a log of its
+    own given, it keeps one (tests)."""
 
-    def __init__(self, capacity: int = CAPACITY, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, log: SystemEventLog | None = None, capacity: int = CAPACITY,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.log = log if log is not None else SystemEventLog(capacity, clock)
         self._lock = threading.Lock()
-        self._capacity = capacity
-        self._clock = clock
-        self._clock_offset = 0.0
-        self._entries: list[bytes] = []
-        self._next_id = 1
         self._reservation = 0
-        self._added = UNSPECIFIED_TIME  # timestamps of the last addition and erase
-        self._erased = UNSPECIFIED_TIME
-        self.overflow = False
+
+    @property
+    def overflow(self) -> bool:
+        return self.log.overflow
 
     def now(self) -> int:
-        return int(self._clock() + self._clock_offset)
+        return self.log.now()
 
     def set_time(self, timestamp: int) -> None:
-        self._clock_offset = timestamp - self._clock()
+        self.log.set_time(timestamp)
 
     def record(self, event: Event) -> None:
-        """Log a bus event, stamped with when it happened on the SEL clock; ignored when the SEL does not
-        record its kind."""
-        reading = reading_for(event)
-        if reading is not None:
-            stamp = int(event.timestamp + self._clock_offset) if event.timestamp else self.now()
-            self._add(lambda record_id: system_event_record(record_id, stamp, reading), stamp)
+        """Log a bus event (the machine's log follows the bus by itself: this is for a log of the SEL's own)."""
+        self.log.record(event)
 
     def add(self, entry: bytes) -> tuple[Completion, bytes]:
         """Add SEL Entry (section 31.6): the record ID is the SEL's, the timestamp too for timestamped types."""
         if len(entry) != ENTRY_SIZE:
             return Completion.REQUEST_DATA_LENGTH_INVALID, b""
-        stamp = self.now()
         timestamped = entry[2] < 0xE0
 
-        def build(record_id: int) -> bytes:
+        def build(record_id: int, stamp: int) -> bytes:
             rest = entry[2:]
             if timestamped:
                 rest = bytes([entry[2]]) + struct.pack("<I", stamp & 0xFFFFFFFF) + entry[7:]
             return struct.pack("<H", record_id) + rest
 
-        record_id = self._add(build, stamp)
-        if record_id is None:
+        record = self.log.add_raw(build)
+        if record is None:
             return Completion.OUT_OF_SPACE, b""
-        return Completion.OK, struct.pack("<H", record_id)
+        return Completion.OK, struct.pack("<H", record.record_id)
 
-    def _add(self, build: Callable[[int], bytes], stamp: int) -> int | None:
-        with self._lock:
-            if len(self._entries) >= self._capacity:
-                self.overflow = True
-                return None
-            record_id = self._next_id
-            self._next_id = self._next_id % 0xFFFE + 1  # 0000h and FFFFh are never record IDs
-            self._entries.append(build(record_id))
-            self._added = stamp
-            return record_id
+    def _entries(self) -> list[bytes]:
+        return [encoded(r) for r in self.log.records()]
 
     def info(self) -> bytes:
         """Get SEL Info (table 31-2): version, entries, free bytes, last addition and erase, operations: overflow
         flag (bit 7), Reserve SEL supported (bit 1)."""
-        with self._lock:
-            free = (self._capacity - len(self._entries)) * ENTRY_SIZE
-            operations = (0x80 if self.overflow else 0) | 0x02
-            return struct.pack("<BHHIIB", SEL_VERSION, len(self._entries), min(free, 0xFFFE), self._added,
-                               self._erased, operations)
+        count = len(self.log)
+        free = (self.log.capacity - count) * ENTRY_SIZE
+        operations = (0x80 if self.overflow else 0) | 0x02
+        return struct.pack("<BHHIIB", SEL_VERSION, count, min(free, 0xFFFE), self.log.added, self.log.erased,
+                           operations)
 
     def reserve(self) -> bytes:
         with self._lock:
@@ -170,12 +156,13 @@ class EventLog:
         if len(request) != 6:
             return Completion.REQUEST_DATA_LENGTH_INVALID, b""
         reservation, record_id, offset, count = struct.unpack("<HHBB", request)
+        entries = self._entries()
         with self._lock:
             if offset and reservation != self._reservation:
                 return Completion.RESERVATION_CANCELLED, b""
-            if not self._entries:
+            if not entries:
                 return Completion.NOT_PRESENT, b""
-            ids = [struct.unpack_from("<H", e)[0] for e in self._entries]
+            ids = [struct.unpack_from("<H", e)[0] for e in entries]
             if record_id == 0:
                 index = 0
             elif record_id == LAST_ENTRY:
@@ -188,7 +175,7 @@ class EventLog:
                 return Completion.PARAMETER_OUT_OF_RANGE, b""
             next_id = ids[index + 1] if index + 1 < len(ids) else LAST_ENTRY
             end = ENTRY_SIZE if count == 0xFF else offset + count
-            return Completion.OK, struct.pack("<H", next_id) + self._entries[index][offset:end]
+            return Completion.OK, struct.pack("<H", next_id) + entries[index][offset:end]
 
     def clear(self, request: bytes) -> tuple[Completion, bytes]:
         """Clear SEL (table 31-9): reservation ID, 'CLR', AAh to erase or 00h for the status; erasure is at once."""
@@ -200,11 +187,20 @@ class EventLog:
         with self._lock:
             if reservation != self._reservation:
                 return Completion.RESERVATION_CANCELLED, b""
-            if request[5] == CLEAR_INITIATE:
-                self._entries.clear()
-                self.overflow = False
-                self._erased = self.now()
+        if request[5] == CLEAR_INITIATE:
+            self.log.clear()
         return Completion.OK, bytes([ERASURE_COMPLETED])
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.log)
+
+
+def encoded(record: LogRecord) -> bytes:
+    """A record as its 16 SEL bytes: a client's own as it added them, a bus event as the sensor event it is (an event
+    the SEL has no sensor for, which the log does not keep, as an OEM record without a timestamp)."""
+    if record.raw:
+        return record.raw
+    reading = reading_for(Event(0, record.reason, record.message, record.kind, 0.0, dict(record.detail)))
+    if reading is None:
+        return struct.pack("<HB", record.record_id, 0xF0) + bytes(13)
+    return system_event_record(record.record_id, record.stamp, reading)

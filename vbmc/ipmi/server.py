@@ -27,7 +27,7 @@ from ..access import audit
 from ..access.throttle import LoginThrottle, source_key
 from ..machine import BackendUnavailable, BootOverride, InvalidRequest, Machine, MachineError, PowerState, ResetType
 from ..machine.console import SerialHub, SerialViewer
-from ..machine.events import POWER_STATE_CHANGED, Event
+from ..machine.events import MANAGER_RESET, POWER_STATE_CHANGED, Event
 from . import codec, fru, lan, rmcp, sdr, sel, sol
 from .codec import Completion, IdentifyState, Privilege, RestartCause, SessionEntry
 from .session import (
@@ -128,13 +128,11 @@ class IpmiServer:
         self._powering_up = False
         self._start_pending_until = float("-inf")  # the next power-on observed before this is the BMC's doing
         self._restart_cause = RestartCause.UNKNOWN
-        # SDR repository, FRU, SEL (sdr.py, fru.py, sel.py); the SEL follows the machine's event bus from start().
+        # SDR repository, FRU, SEL (sdr.py, fru.py, sel.py); the SEL is the machine's event log (Redfish shows it too).
         self._sdr = sdr.repository()
         self._sdr_reservation = 0
         self._sdr_updated = int(time.time())
-        self.sel = sel.EventLog()
-        self._sel_seq = 0  # the last bus event the SEL has looked at
-        self._sel_lock = threading.Lock()
+        self.sel = sel.EventLog(machine.event_log)
         self._unsubscribe: Callable[[], None] | None = None
         # The session whose request is being answered (Get Session Info, index 0) and session handles.
         self._current: RmcpPlusSession | None = None
@@ -247,10 +245,7 @@ class IpmiServer:
         self._transport = Transport(sock.sendto)
         self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ipmi-{self._vm}-machine")
         self._stopping.clear()
-        with self._sel_lock:  # a listener call waits, then skips what the history already gave
-            self._unsubscribe = self.machine.events.subscribe(self._machine_event)
-            for event in self.machine.events.since(0):  # what happened before the BMC listened (the bus keeps 512)
-                self._log_event_locked(event)
+        self._unsubscribe = self.machine.events.subscribe(self._machine_event)
         self._thread = threading.Thread(target=self._serve, name=f"ipmi-{self._vm}", daemon=True)
         self._thread.start()
         log.info("ipmi server started vm=%s address=%s:%d", self._vm, *self.address,
@@ -456,6 +451,12 @@ class IpmiServer:
         log.debug("ipmi evicted a half-open session vm=%s client=%s", self._vm, _client(session.sockaddr))
         self._sessions.pop(session.managed_session_id, None)
 
+    def _end_sessions(self) -> None:
+        """On the IPMI thread: forget every session (a BMC reset); their consoles hang up."""
+        for session_id, session in list(self._sessions.items()):
+            del self._sessions[session_id]
+            self._session_gone(session)
+
     def _expire_sessions(self, now: float) -> None:
         self._next_sweep = now + 1.0
         for session_id, session in list(self._sessions.items()):
@@ -495,7 +496,8 @@ class IpmiServer:
         it was when its RAKP 2 went out)."""
         self.throttle.failed(_host(session.sockaddr), "ipmi", session.username, charged=session.charged)
         audit.record("login", self._vm, f"denied: {reason}", level=logging.WARNING,
-                     actor=audit.Actor("ipmi", _client(session.sockaddr), session.username))
+                     actor=audit.Actor("ipmi", _client(session.sockaddr), session.username),
+                     trail=self.machine.audit_trail)
 
     def close(self, session: RmcpPlusSession) -> None:
         if self._sessions.get(session.managed_session_id) is session:
@@ -536,7 +538,8 @@ class IpmiServer:
             level = logging.INFO if entry.writes else logging.DEBUG
         action = f"{entry.action}:{reply.detail}" if reply.detail else entry.action
         result = "ok" if reply.completion == Completion.OK else f"{reply.completion:#04x} {error}".rstrip()
-        audit.record(action, self._vm, result, duration, level=level)  # the actor handle_request bound
+        audit.record(action, self._vm, result, duration, level=level,  # the actor handle_request bound
+                     trail=self.machine.audit_trail)
         return reply
 
     def _write(self, call: Callable[..., T], *args: Any) -> T:
@@ -739,20 +742,12 @@ class IpmiServer:
             return time.monotonic() - self._powered_up_at < POWER_UP_GRACE
         return True
 
-    def _log_event(self, event: Event) -> None:
-        with self._sel_lock:
-            self._log_event_locked(event)
-
-    def _log_event_locked(self, event: Event) -> None:
-        """Into the SEL once, whether it comes from the bus's history at start() or from the subscription."""
-        if event.seq > self._sel_seq:
-            self._sel_seq = event.seq
-            self.sel.record(event)
-
     def _machine_event(self, event: Event) -> None:
-        """Called on the publishing thread (vbmc/machine/events.py): the SEL, and what power-up and restart cause
-        follow."""
-        self._log_event(event)
+        """Called on the publishing thread (vbmc/machine/events.py): what power-up and restart cause follow; a BMC
+        reset (Redfish Manager.Reset) ends every session."""
+        if event.reason == MANAGER_RESET:
+            self._post(self._end_sessions)
+            return
         if event.reason != POWER_STATE_CHANGED:
             return
         after = event.detail.get("to", "")

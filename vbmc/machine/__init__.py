@@ -1,7 +1,8 @@
 """The Machine model and its backends.
 
 `model` is the interface both frontends speak, in BMC terms (power, boot override, virtual media, inventory,
-serial console), with its typed errors; `events` is the stream of what happened to a machine; `console` keeps a
+serial console), with its typed errors; `events` is the stream of what happened to a machine and `eventlog` the
+system event log kept from it (IPMI's SEL and Redfish's SEL LogService are its two views); `console` keeps a
 machine's serial line attached for a frontend. The backends implement the interface: `memory` (in memory, for
 protocol tests and benchmarks) and the `kubevirt` package (a VM through the Kubernetes API).
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 log = logging.getLogger("vbmc.events")
 
 POWER_STATE_CHANGED = "PowerStateChanged"
+# The BMC itself was reset (Redfish Manager.Reset): every frontend ends its sessions.
+MANAGER_RESET = "ManagerReset"
 
 
 @dataclass(frozen=True)

@@ -237,8 +237,16 @@ class MemoryMachine(Machine):
         with self._lock:
             taken = {d.name for d in self._inventory.disks}
             name = next(f"disk{n}" for n in range(1, len(taken) + 2) if f"disk{n}" not in taken)
-            self._inventory = replace(self._inventory, disks=(*self._inventory.disks, Disk(name, "disk", size_bytes)))
+            self._inventory = replace(self._inventory, disks=(*self._inventory.disks,
+                                                              Disk(name, "disk", size_bytes, "virtio", True)))
             return name
+
+    def delete_disk(self, name: str) -> None:
+        with self._lock:
+            if not any(d.name == name and d.created for d in self._inventory.disks):
+                raise InvalidRequest(f"the disk {name} is part of the VM's own definition: only disks added through "
+                                     "this BMC can be deleted")
+            self._inventory = replace(self._inventory, disks=tuple(d for d in self._inventory.disks if d.name != name))
 
     # ---- virtual media
 

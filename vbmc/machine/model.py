@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from ..access import audit
+from .eventlog import SystemEventLog
 from .events import POWER_STATE_CHANGED, EventBus
 
 log = logging.getLogger("vbmc.machine")
@@ -123,6 +125,7 @@ class Disk:
     kind: str = "disk"  # disk or cdrom
     size_bytes: int | None = None  # None: not known (a containerDisk), never a guess
     bus: str = ""  # virtio, sata, scsi, usb (KubeVirt's disk bus)
+    created: bool = False  # added through the BMC (create_disk), so it may delete it again (delete_disk)
 
 
 @dataclass(frozen=True)
@@ -254,6 +257,25 @@ class Machine(abc.ABC):
             bus = self.__dict__.setdefault("_event_bus", EventBus())  # setdefault: one bus even when two race
         return bus
 
+    @property
+    def event_log(self) -> SystemEventLog:
+        """The system event log (vbmc/machine/eventlog.py): IPMI's SEL and Redfish's SEL LogService show it. It
+        follows the event bus from its first use, with what the bus's history still holds from before."""
+        found = self.__dict__.get("_event_log")
+        if found is None:
+            found = self.__dict__.setdefault("_event_log", SystemEventLog())
+        found.follow(self.events)
+        return found
+
+    @property
+    def audit_trail(self) -> audit.Trail:
+        """Who did what to this machine through its BMC, recently (vbmc/access/audit.py): the frontends record into
+        it, Redfish's Manager shows it as a LogService."""
+        found = self.__dict__.get("_audit_trail")
+        if found is None:
+            found = self.__dict__.setdefault("_audit_trail", audit.Trail())
+        return found
+
     def record_event(self, reason: str, message: str, kind: str = "Normal") -> None:
         """Tell the machine's owners (KubeVirt: a Kubernetes Event on the VirtualMachineBMC) and the event bus; best
         effort, may take up to a second, so callers on a protocol's serving thread hand it to another thread.
@@ -296,6 +318,10 @@ class Machine(abc.ABC):
         """Add a blank disk of `size_bytes` that the machine gets at its next boot (Ironic's RAID interface creates
         volumes); its name. Default: Unsupported."""
         raise Unsupported("this machine cannot add disks")
+
+    def delete_disk(self, name: str) -> None:
+        """Remove a disk that create_disk added, from the next boot on; InvalidRequest for any other disk."""
+        raise Unsupported("this machine cannot remove disks")
 
     def media_slots(self) -> tuple[str, ...]:
         """The virtual media slots the BMC has, like the virtual CD of a physical BMC: present whether or not the

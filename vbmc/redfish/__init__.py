@@ -3,7 +3,7 @@
 `create_app` is imported lazily: importing `server` (the agent does, to bind its ports first) loads neither Flask
 nor pydantic.
 
-Inside: the app and its routes (`app`, `systems`, `managers`, `media`, `tasks`, `events`, `accounts`), the
+Inside: the app and its routes (`app`, `systems`, `managers`, `media`, `tasks`, `events`, `logs`, `accounts`), the
 documents they render (`resources`), the EventService with its subscriptions and deliveries (`eventservice`), and
 the HTTP server (`server`).
 

@@ -48,7 +48,7 @@ def authenticate(svc: Service) -> None:
         if session is None:
             g.audited = True
             audit.record("login", svc.ids.system_id, "denied: unknown or expired session token",
-                         level=logging.WARNING)
+                         level=logging.WARNING, trail=svc.machine.audit_trail)
             raise RedfishError(401, "NoValidSession", headers={"WWW-Authenticate": REALM})
         g.user = session.username
         g.session_id = session.id

@@ -3,9 +3,10 @@
 - `service`: the context (machine, URIs, credentials, sessions, cached renderings) and the response helpers;
 - `accounts`: authentication of every request, SessionService and sessions, AccountService;
 - `systems`: the ComputerSystem, Reset, boot override and the inventory under it;
-- `managers`: the Manager, its NetworkProtocol, the Chassis and its Drives;
+- `managers`: the Manager (its Reset, NetworkProtocol, EthernetInterfaces), the Chassis (its Drives, Power, Thermal);
 - `media`: virtual media (from the Manager and from the System);
-- `events`: the EventService, its subscriptions, SubmitTestEvent and the SSE stream.
+- `events`: the EventService, its subscriptions, SubmitTestEvent and the SSE stream;
+- `logs`: the System's SEL and the Manager's audit trail, as LogServices.
 This module holds what is not a resource family: the service root and OData documents, error rendering, and the
 audit line per action. Rendering lives in `resources`, request bodies in `payloads`, error bodies in `errors`."""
 
@@ -25,7 +26,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from ..access import audit
 from ..access.throttle import LoginThrottle
 from ..machine import BackendUnavailable, Machine, MachineError, Unsupported
-from . import accounts, events, managers, media, resources, systems, tasks
+from . import accounts, events, logs, managers, media, resources, systems, tasks
 from .errors import RedfishError, not_found
 from .eventservice import EventService, SubscriptionStore
 from .resources import ROOT, SSE_URI, Ids
@@ -43,7 +44,7 @@ except Exception:  # not installed as a distribution (a source checkout): still 
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 DEFAULT_PORTS = {"HTTP": 80, "HTTPS": 443, "IPMI": 623}  # what the agent's Service exposes (DESIGN.md 5)
-FAMILIES = (accounts, tasks, systems, managers, media, events)
+FAMILIES = (accounts, tasks, systems, managers, media, events, logs)
 
 
 def create_app(machine: Machine, username: str, password: str, *, system_id: str | None = None,
@@ -89,6 +90,15 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
     _strip_trailing_slash(app)
     _errors_and_audit(app, svc)
+
+    @app.before_request
+    def resetting() -> None:
+        # First of all: a BMC being reset (Manager.Reset) answers nothing for a moment, not even a login.
+        wait = svc.resetting()
+        if wait:
+            raise RedfishError(503, "ServiceTemporarilyUnavailable", wait, headers={"Retry-After": str(wait)},
+                               detail="The BMC is being reset.")
+
     app.register_blueprint(_service_root(svc))
     for family in FAMILIES:
         app.register_blueprint(family.blueprint(svc))
@@ -198,7 +208,8 @@ def _errors_and_audit(app: Flask, svc: Service) -> None:
             # One audit line per action (vbmc/access/audit.py), the same fields as the IPMI frontend's.
             took = time.perf_counter() - g.get("started", time.perf_counter())
             audit.record(f"{request.method} {request.path}", svc.ids.system_id, str(response.status_code), took,
-                         level=logging.INFO if response.status_code < 400 else logging.WARNING)
+                         level=logging.INFO if response.status_code < 400 else logging.WARNING,
+                         trail=svc.machine.audit_trail)
         return response
 
 

@@ -115,6 +115,17 @@ MESSAGES: Mapping[str, tuple[str, str, str]] = {
         "The create operation failed because the resource has reached the limit of possible resources.",
         "Critical", "Either delete resources and resubmit the request if the operation failed or do not resubmit "
         "the request."),
+    "ResourceCannotBeDeleted": (
+        "The delete request failed because the resource requested cannot be deleted.", "Critical",
+        "Do not attempt to delete a non-deletable resource."),
+    "ActionParameterValueError": (
+        "The value for the parameter %1 in the action %2 is invalid.", "Warning",
+        "Correct the value for the parameter in the request body and resubmit the request if the operation "
+        "failed."),
+    "PropertyValueError": (
+        "The value provided for the property %1 is not valid.", "Warning",
+        "Correct the value for the property in the request body and resubmit the request if the operation "
+        "failed."),
     "Created": ("The resource was created successfully.", "OK", "None."),
 }
 

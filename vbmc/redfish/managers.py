@@ -1,12 +1,13 @@
-"""The BMC itself and the box around the system: the Manager with its NetworkProtocol, and the Chassis with its
-Drives. (The Manager's VirtualMedia are in `media`.)"""
+"""The BMC itself and the box around the system: the Manager with its Reset, NetworkProtocol and EthernetInterfaces
+(the Service clients reach it through), and the Chassis with its Drives, Power and Thermal. (The Manager's
+VirtualMedia are in `media`, its LogServices in `logs`.)"""
 
 from __future__ import annotations
 
 from flask import Blueprint, Response, request
 
-from . import resources
-from .errors import not_found
+from . import payloads, resources
+from .errors import RedfishError, not_found
 from .service import Service
 
 
@@ -27,6 +28,28 @@ def blueprint(svc: Service) -> Blueprint:
         return svc.send(cache.get("manager", "Manager", (has_media, has_screen), lambda: resources.manager(
             ids, svc.manager_uuid, svc.version, has_media, resources.manager_consoles(svc.consoles, has_screen))))
 
+    @route(bp, f"{ids.manager}/Actions/Manager.Reset", ("POST",))
+    def reset() -> Response:
+        action = "Manager.Reset"
+        parsed = payloads.parse_action(payloads.ResetAction, svc.body(), action)
+        if parsed.ResetType not in resources.MANAGER_RESETS:
+            raise RedfishError(400, "ActionParameterValueNotInList", parsed.ResetType, "ResetType", action,
+                               related="#/ResetType")
+        svc.reset_manager(parsed.ResetType)
+        return svc.no_content()
+
+    @route(bp, f"{ids.manager}/EthernetInterfaces")
+    def interfaces() -> Response:
+        path = f"{ids.manager}/EthernetInterfaces"
+        return svc.static("manager_interfaces", "EthernetInterfaceCollection", lambda: resources.collection(
+            "EthernetInterfaceCollection", path, "Ethernet Interfaces", [f"{path}/{resources.MANAGER_NIC}"]))
+
+    @route(bp, f"{ids.manager}/EthernetInterfaces/{resources.MANAGER_NIC}")
+    def interface() -> Response:
+        address = machine.service_address()
+        return svc.send(cache.get("manager_interface", "EthernetInterface", address,
+                                  lambda: resources.manager_interface(ids, svc.host_name, svc.fqdn, address)))
+
     @route(bp, f"{ids.manager}/NetworkProtocol")
     def network_protocol() -> Response:
         return svc.static("network_protocol", "ManagerNetworkProtocol", lambda: resources.network_protocol(
@@ -44,6 +67,14 @@ def blueprint(svc: Service) -> Blueprint:
         key = (machine.inventory(), machine.power_state(), machine.health())
         return svc.send(cache.get("chassis", "Chassis", key, lambda: resources.chassis(ids, *key)))
 
+    @route(bp, f"{ids.chassis}/Power")
+    def power() -> Response:
+        return svc.static("power", "Power", lambda: resources.power(ids))
+
+    @route(bp, f"{ids.chassis}/Thermal")
+    def thermal() -> Response:
+        return svc.static("thermal", "Thermal", lambda: resources.thermal(ids))
+
     @route(bp, f"{ids.chassis}/Drives")
     def drives() -> Response:
         inv = machine.inventory()
@@ -52,7 +83,7 @@ def blueprint(svc: Service) -> Blueprint:
 
     @route(bp, f"{ids.chassis}/Drives/<name>")
     def drive(name: str) -> Response:
-        for d in resources.disks(machine.inventory()):
+        for d in resources.sized_disks(machine.inventory()):
             if d.name == name:
                 return svc.send_doc("Drive", resources.drive(ids, d))
         raise not_found(request.path)

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from flask import Blueprint, Response, request
 
+from ..access.audit import redact_url
 from ..machine import ImageUnusable, Unsupported
 from . import payloads, resources
 from .errors import RedfishError, not_found
@@ -71,16 +72,14 @@ def blueprint(svc: Service) -> Blueprint:
                     try:
                         machine.check_image(patch.Image)  # before the eject: a refused image changes nothing
                     except ImageUnusable as exc:
-                        raise RedfishError(400, "PropertyValueConflict", "Image", "Inserted", detail=str(exc),
-                                           related="#/Image") from None
+                        raise unusable(patch.Image, exc, None) from None
                     if machine.virtual_media(slot).inserted:
                         machine.eject_media(slot)  # PATCHing a new Image replaces the medium, as on a real BMC
                     try:
                         machine.insert_media(patch.Image, slot,
                                              True if patch.WriteProtected is None else patch.WriteProtected)
                     except ImageUnusable as exc:
-                        raise RedfishError(400, "PropertyValueConflict", "Image", "Inserted", detail=str(exc),
-                                           related="#/Image") from None
+                        raise unusable(patch.Image, exc, None) from None
                 elif patch.Inserted and not machine.virtual_media(slot).inserted:
                     raise RedfishError(400, "PropertyMissing", "Image", related="#/Image")
             except Unsupported as exc:
@@ -112,11 +111,10 @@ def blueprint(svc: Service) -> Blueprint:
         try:
             machine.insert_media(parsed.Image, slot, parsed.WriteProtected)
         except ImageUnusable as exc:
-            # Nothing was created; the client hears why through the task it follows, as for a failed import.
-            task = svc.tasks.add(slot, parsed.Image)
-            task.end("Exception", f"The image cannot be inserted: {exc}")
-        else:
-            task = follow(svc.tasks.add(slot, parsed.Image), machine)
+            # Refused at once, nothing created: a client that does not follow Tasks (sushy, and so Ironic) must not
+            # take a 202 for an image that will never be in.
+            raise unusable(parsed.Image, exc, action) from None
+        task = follow(svc.tasks.add(slot, parsed.Image), machine)
         return svc.send_doc("Task", resources.task(task), 202, headers={"Location": f"{TASKS}/{task.id}"})
 
     def eject_media(base: str, slot: str) -> Response:
@@ -153,6 +151,18 @@ def image_url_problem(image: str) -> str | None:
     if port == 0:
         return "The image URL's port is out of range."
     return None
+
+
+def unusable(image: str, exc: ImageUnusable, action: str | None) -> RedfishError:
+    """400 for an image the agent already knows cannot be imported (no such host, refused, 4xx, 5xx, too large, an
+    untrusted certificate), naming the image and the reason."""
+    shown = redact_url(image)
+    reason = str(exc)
+    detail = f"The image cannot be inserted: {reason}." if shown in reason else \
+        f"The image {shown} cannot be inserted: {reason}."
+    if action is None:
+        return RedfishError(400, "PropertyValueError", "Image", related="#/Image", detail=detail)
+    return RedfishError(400, "ActionParameterValueError", "Image", action, related="#/Image", detail=detail)
 
 
 def check_image(image: str, name: str, action: str | None) -> None:

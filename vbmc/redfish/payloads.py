@@ -35,14 +35,12 @@ class SecureBootPatch(_Body):
     SecureBootEnable: bool | None = None
 
 
-class VolumeCreate(_Body):
-    CapacityBytes: int = Field(gt=0)
-    RAIDType: Literal["None"] | None = None
-    Name: str | None = None
-
-
 class ResetAction(_Body):
     ResetType: str
+
+
+class ClearLogAction(_Body):
+    LogEntriesETag: str | None = None
 
 
 class InsertMediaAction(_Body):
@@ -75,6 +73,24 @@ class SessionCreate(_Body):
 
 class OdataLink(_Body):
     odata_id: str = Field(alias="@odata.id")
+
+
+class VolumeLinks(_Body):
+    Drives: list[OdataLink] | None = None
+
+
+class VolumeCreate(_Body):
+    """What Ironic's `redfish` RAID interface posts (raid.py, _construct_volume_payload): RAIDType and CapacityBytes,
+    the Drives it chose, a Name (and the apply time the collection advertises: an annotation, `apply_time`)."""
+
+    CapacityBytes: int = Field(gt=0)
+    RAIDType: str | None = None  # checked against the controller's SupportedRAIDTypes (systems.py)
+    Name: str | None = None
+    Links: VolumeLinks | None = None
+
+
+class VolumeDelete(_Body):
+    pass
 
 
 class SubscriptionCreate(_Body):
@@ -195,6 +211,19 @@ def _check_text(value: Any, loc: list[str]) -> None:
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _check_text(item, [*loc, str(index)])
+
+
+APPLY_TIME = "@Redfish.OperationApplyTime"
+
+
+def apply_time(doc: dict[str, Any], supported: tuple[str, ...]) -> str | None:
+    """The request's @Redfish.OperationApplyTime, refused (PropertyValueNotInList) when not one the resource
+    advertises in @Redfish.OperationApplyTimeSupport."""
+    value = doc.get(APPLY_TIME)
+    if value is not None and value not in supported:
+        raise RedfishError(400, "PropertyValueNotInList", value, APPLY_TIME, related=f"#/{APPLY_TIME}",
+                           detail=f"Supported: {', '.join(supported)}.")
+    return value if isinstance(value, str) else None
 
 
 def parse_patch(model: type[M], doc: dict[str, Any], readonly: dict[str, Any]) -> M:

@@ -24,6 +24,7 @@ from ..machine import (
     SecureBoot,
     VirtualMedia,
 )
+from ..machine.eventlog import LogRecord
 from .sessions import Session
 
 ROOT = "/redfish/v1"
@@ -57,12 +58,16 @@ SCHEMAS: dict[str, str] = {
     "EventService": "v1_12_0",
     "EventDestination": "v1_16_0",
     "Event": "v1_13_0",
+    "LogService": "v1_9_0",
+    "LogEntry": "v1_21_0",
+    "Power": "v1_7_3",
+    "Thermal": "v1_7_3",
 }
 COLLECTIONS = ("ComputerSystemCollection", "ManagerCollection", "ChassisCollection", "VirtualMediaCollection",
                "SessionCollection", "ManagerAccountCollection", "RoleCollection", "EthernetInterfaceCollection",
                "ProcessorCollection", "MemoryCollection", "SimpleStorageCollection", "StorageCollection",
                "StorageControllerCollection", "VolumeCollection", "TaskCollection",
-               "DriveCollection", "EventDestinationCollection")
+               "DriveCollection", "EventDestinationCollection", "LogServiceCollection", "LogEntryCollection")
 # Referenced by the schemas above (annotations, shared types); $metadata lists them too.
 SUPPORT_SCHEMAS = ("Resource", "RedfishExtensions", "Message", "Privileges")
 
@@ -304,13 +309,16 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
         },
         "ProcessorSummary": {"Count": inv.cpu_sockets, "CoreCount": inv.cpu_sockets * inv.cpu_cores,
                              "LogicalProcessorCount": inv.cpu_count},
-        "MemorySummary": {"TotalSystemMemoryGiB": round(inv.memory_bytes / 2**30, 3)},
+        # Exact: MiB / 1024 is a binary fraction. (sushy reads it as a whole number of GiB, so Ironic's memory_mb
+        # is in whole GiB: docs/troubleshooting.md.)
+        "MemorySummary": {"TotalSystemMemoryGiB": inv.memory_bytes // 2**20 / 1024},
         "Processors": link(f"{path}/Processors"),
         "Memory": link(f"{path}/Memory"),
         "EthernetInterfaces": link(f"{path}/EthernetInterfaces"),
         "SimpleStorage": link(f"{path}/SimpleStorage"),
         "Storage": link(f"{path}/Storage"),
         "SecureBoot": link(f"{path}/SecureBoot"),
+        "LogServices": link(f"{path}/LogServices"),
         "Links": {"Chassis": [link(ids.chassis)], "ManagedBy": [link(ids.manager)]},
         "Actions": {"#ComputerSystem.Reset": {
             "target": f"{path}/Actions/ComputerSystem.Reset",
@@ -381,8 +389,16 @@ def memory(ids: Ids, inv: Inventory) -> dict[str, Any]:
     return doc
 
 
-def disks(inv: Inventory) -> list[Any]:
+def disks(inv: Inventory) -> list[Disk]:
     return [d for d in inv.disks if d.kind == "disk"]
+
+
+def sized_disks(inv: Inventory) -> list[Disk]:
+    """The disks whose size is known. Where a client chooses among sizes, a disk of unknown size is left out
+    rather than shown with a null: sushy keeps a Volume's null CapacityBytes, and Ironic's inspection then
+    compares it with numbers (TypeError: local_gb fails); Ironic's RAID interface sizes its free space from the
+    Drives. SimpleStorage lists every disk: sushy drops a null size there."""
+    return [d for d in disks(inv) if d.size_bytes is not None]
 
 
 def simple_storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
@@ -395,7 +411,7 @@ def simple_storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
 
 def drive_paths(ids: Ids, inv: Inventory) -> list[str]:
     # Drives belong to the Chassis: /Systems/{id}/Storage/{id}/Drives/{id} is deprecated since Storage v1_13.
-    return [f"{ids.chassis}/Drives/{d.name}" for d in disks(inv)]
+    return [f"{ids.chassis}/Drives/{d.name}" for d in sized_disks(inv)]
 
 
 def storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
@@ -410,35 +426,43 @@ def storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
 # KubeVirt disk bus -> DMTF Protocol. virtio-blk and virtio-scsi are PCIe devices on the VM's bus.
 PROTOCOLS = {"virtio": "PCIe", "scsi": "PCIe", "sata": "SATA", "usb": "USB"}
 CONTROLLER_ID = "1"
+# A VM's disk is one volume on one drive, as a hardware controller exposes a single disk as a RAID0 volume; the
+# controller can make a new one (a new blank disk) and nothing else: no mirror, no parity, no span.
+RAID_TYPES = ("RAID0",)
+# A created disk is in the VM from its next boot on, a deleted one gone from then: both OnReset.
+VOLUME_APPLY_TIMES = ("OnReset",)
 
 
 def storage_controller(ids: Ids, inv: Inventory) -> dict[str, Any]:
-    """The VM's disk controllers as one: what its disks are attached through. No RAID: a VM's disks are volumes
-    the cluster provides, each one its own."""
+    """The VM's disk controllers as one: what its disks are attached through, making single-drive RAID0 volumes."""
     path = f"{ids.system}/Storage/{STORAGE_ID}/Controllers/{CONTROLLER_ID}"
     doc = _head("StorageController", path, CONTROLLER_ID, "Virtual disk controller")
     protocols = sorted({PROTOCOLS.get(d.bus, "PCIe") for d in disks(inv)})
     doc.update({"Status": _status(), "SupportedControllerProtocols": ["PCIe"],
-                "SupportedDeviceProtocols": protocols, "SupportedRAIDTypes": []})
+                "SupportedDeviceProtocols": protocols, "SupportedRAIDTypes": list(RAID_TYPES)})
     return doc
 
 
 def volume_paths(ids: Ids, inv: Inventory) -> list[str]:
-    return [f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{d.name}" for d in disks(inv)]
+    return [f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{d.name}" for d in sized_disks(inv)]
 
 
 def volume_collection(ids: Ids, inv: Inventory) -> dict[str, Any]:
     doc = collection("VolumeCollection", f"{ids.system}/Storage/{STORAGE_ID}/Volumes", "Volumes",
                      volume_paths(ids, inv))
-    # A POST adds a blank disk that the VM gets at its next boot.
-    doc["@Redfish.OperationApplyTimeSupport"] = {"SupportedValues": ["OnReset"]}
+    doc["@Redfish.OperationApplyTimeSupport"] = {"SupportedValues": list(VOLUME_APPLY_TIMES)}
     return doc
 
 
-def volume(ids: Ids, disk: Disk) -> dict[str, Any]:
+def volume(ids: Ids, disk: Disk, created: bool = False) -> dict[str, Any]:
+    """A disk as a volume of one drive. RAIDType RAID0 only for the volumes this controller made (and may delete
+    again); the VM's own disks are not RAID volumes, and Ironic's RAID interface leaves volumes without a
+    RAIDType alone (update_raid_config, delete_configuration)."""
     doc = _head("Volume", f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{disk.name}", disk.name, disk.name)
-    doc.update({"CapacityBytes": disk.size_bytes, "RAIDType": "None", "Status": _status(),
+    doc.update({"CapacityBytes": disk.size_bytes, "Status": _status(),
                 "Links": {"Drives": [link(f"{ids.chassis}/Drives/{disk.name}")]}})
+    if created:
+        doc["RAIDType"] = "RAID0"
     return doc
 
 
@@ -528,6 +552,11 @@ def virtual_media(base: str, media: VirtualMedia) -> dict[str, Any]:
 # ---- manager and chassis
 
 
+# What resetting a BMC means for an agent (vbmc/redfish/logs.py, reset): every session ends and the service answers
+# 503 for a moment; the VM is not touched. Graceful or forced, the agent restarts its service the same way.
+MANAGER_RESETS = ("ForceRestart", "GracefulRestart")
+
+
 def manager(ids: Ids, uuid: str, version: str, has_media: bool,
             consoles: Mapping[str, Any] | None = None) -> dict[str, Any]:
     path = ids.manager
@@ -541,8 +570,12 @@ def manager(ids: Ids, uuid: str, version: str, has_media: bool,
         "PowerState": "On",
         "Status": _status(),
         "NetworkProtocol": link(f"{path}/NetworkProtocol"),
+        "EthernetInterfaces": link(f"{path}/EthernetInterfaces"),
+        "LogServices": link(f"{path}/LogServices"),
         "Links": {"ManagerForServers": [link(ids.system)], "ManagerForChassis": [link(ids.chassis)],
                   "ManagerInChassis": link(ids.chassis)},
+        "Actions": {"#Manager.Reset": {"target": f"{path}/Actions/Manager.Reset",
+                                       "ResetType@Redfish.AllowableValues": list(MANAGER_RESETS)}},
     })
     if has_media:
         doc["VirtualMedia"] = link(f"{path}/VirtualMedia")
@@ -562,9 +595,88 @@ def chassis(ids: Ids, inv: Inventory, power: PowerState, health: Health) -> dict
         "PowerState": "On" if on else "Off",
         "Status": _status(health.state),
         "Drives": link(f"{ids.chassis}/Drives"),
+        "Power": link(f"{ids.chassis}/Power"),
+        "Thermal": link(f"{ids.chassis}/Thermal"),
         "Links": {"ComputerSystems": [link(ids.system)], "ManagedBy": [link(ids.manager)],
                   "ManagersInChassis": [link(ids.manager)]},
     })
+    return doc
+
+
+def power(ids: Ids) -> dict[str, Any]:
+    """A VM has no power supply, no meter and no cap: no PowerControl, no PowerSupplies, nothing measured, nothing
+    invented. (Power and Thermal are deprecated for PowerSubsystem and ThermalSubsystem; the OCP baseline and
+    Ironic's profile still read them.)"""
+    doc = _head("Power", f"{ids.chassis}/Power", "Power", "Power")
+    doc.update({"Description": "A virtual machine draws no power of its own that anything measures or limits.",
+                "PowerControl": [], "PowerSupplies": []})
+    return doc
+
+
+def thermal(ids: Ids) -> dict[str, Any]:
+    """A VM has no fan and no temperature sensor: empty lists, not readings made up."""
+    doc = _head("Thermal", f"{ids.chassis}/Thermal", "Thermal", "Thermal")
+    doc.update({"Description": "A virtual machine has no fans and no temperature sensors.", "Fans": [],
+                "Temperatures": [], "Status": _status()})
+    return doc
+
+
+def manager_interface(ids: Ids, host_name: str, fqdn: str | None, address: str) -> dict[str, Any]:
+    """How clients reach the BMC: the Kubernetes Service's address and names (the agent's pod address changes with
+    every restart). A Service has no MAC, no link speed and no gateway of its own: those are null, not invented;
+    its ClusterIP is one address (a /32), assigned by the cluster (Static to the BMC: nothing it can change)."""
+    doc = _head("EthernetInterface", f"{ids.manager}/EthernetInterfaces/{MANAGER_NIC}", MANAGER_NIC,
+                "Kubernetes Service")
+    doc.update({
+        "Description": "The Service clients reach this BMC through.",
+        "MACAddress": None, "PermanentMACAddress": None, "SpeedMbps": None, "InterfaceEnabled": True,
+        "LinkStatus": "LinkUp", "Status": _status(), "HostName": host_name, "FQDN": fqdn,
+        "NameServers": [], "DHCPv4": {"DHCPEnabled": False}, "DHCPv6": {"OperatingMode": "Disabled"},
+        "IPv4Addresses": [{"Address": address, "SubnetMask": "255.255.255.255", "AddressOrigin": "Static",
+                           "Gateway": None}] if address else [],
+    })
+    return doc
+
+
+MANAGER_NIC = "Service"
+
+
+# ---- logs: the system event log (SEL) and the BMC's audit trail
+
+SEL_LOG = "SEL"
+AUDIT_LOG = "AuditLog"
+
+
+def log_service(path: str, id_: str, name: str, description: str, entry_type: str, capacity: int,
+                overwrite: str, now: float) -> dict[str, Any]:
+    doc = _head("LogService", path, id_, name)
+    doc.update({
+        "Description": description, "MaxNumberOfRecords": capacity, "OverWritePolicy": overwrite,
+        "DateTime": _iso(now), "DateTimeLocalOffset": "+00:00", "ServiceEnabled": True, "LogEntryType": entry_type,
+        "Status": _status(), "Entries": link(f"{path}/Entries"),
+        "Actions": {"#LogService.ClearLog": {"target": f"{path}/Actions/LogService.ClearLog"}},
+    })
+    return doc
+
+
+def sel_entry(base: str, record: LogRecord) -> dict[str, Any]:
+    """A system event log record; an entry an IPMI client added is shown as the bytes it added."""
+    doc = _head("LogEntry", f"{base}/Entries/{record.record_id}", str(record.record_id),
+                f"SEL entry {record.record_id}")
+    message = record.message or f"An IPMI client added this SEL entry: {record.raw.hex(' ')}."
+    doc.update({"EntryType": "SEL", "Created": _iso(record.stamp), "Message": message,
+                "Severity": "Warning" if record.kind == "Warning" else "OK"})
+    return doc
+
+
+def audit_entry(base: str, entry: Any) -> dict[str, Any]:
+    """An audit record: who did what, through which protocol, from where, and how it ended."""
+    f = entry.fields
+    doc = _head("LogEntry", f"{base}/Entries/{entry.entry_id}", str(entry.entry_id), f"Audit entry {entry.entry_id}")
+    who = f"user {f['user']}" if f.get("user", "-") != "-" else "no user"
+    doc.update({"EntryType": "Event", "Created": _iso(entry.stamp),
+                "Message": f"{f['action']} by {who} through {f['protocol']} from {f['source']}: {f['result']}",
+                "Severity": "Warning" if entry.warning else "OK"})
     return doc
 
 

@@ -16,6 +16,8 @@ import hmac
 import json
 import logging
 import math
+import threading
+import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,7 @@ from flask import Blueprint, Response, g, request
 from ..access import audit
 from ..access.throttle import LoginThrottle
 from ..machine import Machine
+from ..machine.events import MANAGER_RESET
 from . import payloads, resources
 from .errors import RedfishError
 from .eventservice import EventService
@@ -35,6 +38,7 @@ from .taskstore import TaskStore
 JSON_TYPE = "application/json; charset=utf-8"
 REALM = 'Basic realm="KubeVBMC", charset="UTF-8"'
 ODATA_HEADERS = {"OData-Version": "4.0", "Cache-Control": "no-cache"}
+RESET_WINDOW = 3.0  # seconds a Manager.Reset keeps the Redfish service answering 503
 
 View = Callable[..., Response]
 
@@ -93,11 +97,31 @@ class Service:
     session_timeout: int
     require_tls: bool = False  # refuse credentials that come over plain HTTP (spec.redfish.requireTLS)
     consoles: ConsoleAccess | None = None  # the consoles served beside Redfish (the agent's vbmc/web)
+    reset_until: float = 0.0  # time.monotonic() until which a Manager.Reset keeps the service answering 503
     events: EventService | None = None  # vbmc/redfish/eventservice.py: subscriptions, delivery, SSE
     tasks: TaskStore = field(default_factory=lambda: TaskStore())
     cache: RenderCache = field(default_factory=RenderCache)
     links: LinkHeaders = field(default_factory=LinkHeaders)
     allow: dict[str, str] = field(default_factory=dict)  # endpoint -> Allow header value
+
+    def reset_manager(self, reset_type: str) -> None:
+        """Manager.Reset, as an agent can mean it: every Redfish session ends, the service answers 503 for
+        RESET_WINDOW seconds, and the machine's bus says so (the IPMI frontend ends its sessions too; the
+        VirtualMachineBMC gets an Event). The VM is not touched."""
+        self.store.clear()
+        self.reset_until = time.monotonic() + RESET_WINDOW
+        machine = self.machine
+
+        def announce() -> None:  # may take a second (a Kubernetes Event): not on the request's thread
+            machine.record_event(MANAGER_RESET, f"the BMC was reset ({reset_type}): its sessions ended; the VM was "
+                                                "not touched")
+
+        threading.Thread(target=announce, daemon=True).start()
+
+    def resetting(self) -> int:
+        """Seconds left (rounded up) in a reset's window; 0 when the service answers."""
+        left = self.reset_until - time.monotonic()
+        return int(left) + 1 if left > 0 else 0
 
     def __post_init__(self) -> None:
         user_b, password_b = self.username.encode(), self.password.encode()
@@ -214,6 +238,6 @@ class Service:
         self.throttle.failed(client, protocol, user)
         g.audited = True  # one audit line, this one, not the request's too
         audit.record("login", self.ids.system_id, f"denied: {protocol}: wrong user name or password",
-                     actor=audit.Actor("redfish", client, user), level=logging.WARNING)
+                     actor=audit.Actor("redfish", client, user), level=logging.WARNING, trail=self.machine.audit_trail)
         detail = "The user name or password is incorrect." if protocol == "redfish-session" else ""
         return RedfishError(401, "NoValidSession", detail=detail, headers={"WWW-Authenticate": REALM})

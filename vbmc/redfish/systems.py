@@ -180,11 +180,31 @@ def blueprint(svc: Service) -> Blueprint:
                                   lambda: resources.storage_controller(ids, inv)))
 
     def create_volume() -> Response:
-        # Ironic's RAID interface creates volumes; on a VM a volume is a new blank disk for the next boot.
-        created = payloads.parse_patch(payloads.VolumeCreate, svc.body(), {})
+        """Ironic's RAID interface creates volumes; on a VM a volume is a new blank disk for the next boot: one drive
+        of its own, a single-drive RAID0 volume. The Drives a client links are checked (they must be this
+        controller's, and RAID0 over more than one would be a stripe no VM disk is) and otherwise not used: no VM
+        disk has room for a second volume, while Ironic counts a whole drive as free space (raid.py,
+        _find_configuration)."""
+        body = svc.body()
+        payloads.apply_time(body, resources.VOLUME_APPLY_TIMES)
+        created = payloads.parse_patch(payloads.VolumeCreate, body, {})
+        if created.RAIDType is not None and created.RAIDType not in resources.RAID_TYPES:
+            raise RedfishError(400, "PropertyValueNotInList", created.RAIDType, "RAIDType", related="#/RAIDType",
+                               detail=f"This controller makes single-drive volumes only: a new virtual disk, "
+                                      f"RAIDType {', '.join(resources.RAID_TYPES)} (SupportedRAIDTypes).")
+        drives = [link.odata_id for link in (created.Links.Drives or [])] if created.Links else []
+        known = set(resources.drive_paths(ids, machine.inventory()))
+        for path in drives:
+            if path not in known:
+                raise RedfishError(400, "PropertyValueNotInList", path, "Links/Drives", related="#/Links/Drives",
+                                   detail="The drive is not one of this controller's.")
+        if len(drives) > 1:
+            raise RedfishError(400, "PropertyValueNotInList", created.RAIDType or "RAID0", "RAIDType",
+                               related="#/RAIDType", detail="A volume over several drives would be a stripe; each "
+                                                            "virtual disk is a volume of one drive.")
         name = machine.create_disk(created.CapacityBytes)
         found = next(d for d in resources.disks(machine.inventory()) if d.name == name)
-        return svc.send_doc("Volume", resources.volume(ids, found), 201,
+        return svc.send_doc("Volume", resources.volume(ids, found, created=True), 201,
                             headers={"Location": f"{storage}/Volumes/{name}"})
 
     @route(bp, f"{storage}/Volumes/Members", ("POST",))
@@ -198,10 +218,20 @@ def blueprint(svc: Service) -> Blueprint:
         inv = machine.inventory()
         return svc.send(cache.get("volumes", "VolumeCollection", inv, lambda: resources.volume_collection(ids, inv)))
 
-    @route(bp, f"{storage}/Volumes/<name>")
+    @route(bp, f"{storage}/Volumes/<name>", ("GET", "DELETE"))
     def volume(name: str) -> Response:
-        found = next((d for d in resources.disks(machine.inventory()) if d.name == name), None)
+        found = next((d for d in resources.sized_disks(machine.inventory()) if d.name == name), None)
         if found is None:
             raise not_found(request.path)
-        return svc.send_doc("Volume", resources.volume(ids, found))
+        if request.method == "DELETE":
+            body = svc.body()
+            payloads.apply_time(body, resources.VOLUME_APPLY_TIMES)
+            payloads.parse_patch(payloads.VolumeDelete, body, {})
+            if not found.created:
+                raise RedfishError(400, "ResourceCannotBeDeleted", detail=f"The volume {name} is a disk of the VM's "
+                                   "own definition; only volumes created through this service can be deleted.")
+            machine.delete_disk(name)
+            return svc.no_content()
+        return svc.send_doc("Volume", resources.volume(ids, found, created=found.created))
+
     return bp

@@ -55,6 +55,7 @@ MERGE_PATCH = "application/merge-patch+json"
 NO_CDROM = "the VM has no cdrom disk: add an empty cdrom disk to its template to use virtual media"
 SETTLE = 0.3  # seconds a write waits for the watch cache to show it (normally milliseconds)
 STALE_RETRY_AFTER = 2  # Retry-After for a read refused from a stale cache: it serves again within a second of an answer
+CLAIM_TTL = 2.0  # seconds the claims read for an inventory are reused
 
 SUPPORTED_RESETS = (ResetType.ON, ResetType.FORCE_ON, ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN,
                     ResetType.GRACEFUL_RESTART, ResetType.FORCE_RESTART, ResetType.POWER_CYCLE,
@@ -88,12 +89,16 @@ class KubeVirtMachine(Machine):
         self._record: Obj | None = None
         self._lock = threading.RLock()
         self._reverting = threading.Lock()
+        self._claims_lock = threading.Lock()
+        self._claims_cache: tuple[float, list[str], dict[str, Obj]] | None = None
+        self._following: set[str] = set()  # the slots whose import a thread follows
 
     # ---- lifecycle
 
     def start(self) -> None:
         for w in self._watches:
             w.start()
+        threading.Thread(target=self._resume_imports, name=f"imports-{self.name}", daemon=True).start()
 
     def stop(self) -> None:
         for w in self._watches:
@@ -133,7 +138,29 @@ class KubeVirtMachine(Machine):
         return vmstate.health(self._vm())
 
     def inventory(self) -> Inventory:
-        return vmstate.inventory(self._vm(), self._vmi())
+        vm = self._vm()
+        return vmstate.inventory(vm, self._vmi(), self._claims(vmstate.claim_names(vm)))
+
+    def _claims(self, names: list[str]) -> dict[str, Obj]:
+        """The claims behind the VM's volumes (their capacity sizes its disks), read at most every CLAIM_TTL
+        seconds: an inspection reads the inventory a dozen times in a second. A claim that cannot be read (not
+        there yet, not in the agent's Role yet) is left out: its disk keeps the size the VM asks for, or none."""
+        now = time.monotonic()
+        with self._claims_lock:
+            if self._claims_cache is not None and self._claims_cache[0] > now and self._claims_cache[1] == names:
+                return self._claims_cache[2]
+        found: dict[str, Obj] = {}
+        for name in names:
+            try:
+                claim = self.client.request("GET", f"/api/v1/namespaces/{self.namespace}/persistentvolumeclaims/{name}",
+                                            timeout=1.0)
+            except (KubeError, Unreachable):
+                continue
+            if isinstance(claim, dict):
+                found[name] = claim
+        with self._claims_lock:
+            self._claims_cache = (now + CLAIM_TTL, list(names), found)
+        return found
 
     def running_since(self) -> float | None:
         vm = self._vm()
@@ -288,13 +315,28 @@ class KubeVirtMachine(Machine):
         if reset_type not in SUPPORTED_RESETS:
             raise Unsupported(f"{reset_type} is not supported: KubeVirt has no NMI")
         if reset_type in _BOOTS:
-            self._wait_for_imports()
+            self._prepare_boot(reset_type)
         if self._reset(reset_type):
             self._event("PowerAction", f"power action {reset_type}")
 
+    def _prepare_boot(self, reset_type: ResetType) -> None:
+        """A boot never starts without an inserted medium. From off, a medium still importing is made part of the
+        VM's next start (`_cold_plug`): the power-on is accepted at once and KubeVirt holds the new VMI until the
+        medium is in. A restart of a running VM cannot wait so: it waits for the import within the deadline,
+        then answers busy (IPMI 0xC0, Redfish 503 with Retry-After) and the client retries."""
+        state = self.power_state()
+        if state in (PowerState.OFF, PowerState.POWERING_OFF):
+            if reset_type in (ResetType.FORCE_RESTART, ResetType.GRACEFUL_RESTART):
+                return  # refused by _reset: the VM is off
+            with self._lock:
+                self._cold_plug(self._vm())
+            return
+        if state == PowerState.POWERING_ON or reset_type in (ResetType.ON, ResetType.FORCE_ON,
+                                                             ResetType.PUSH_POWER_BUTTON):
+            return  # already on its way up (held for its media already) or on: nothing boots
+        self._wait_for_imports()
+
     def _wait_for_imports(self) -> None:
-        """A boot never starts without an inserted medium: while one is still being imported, wait for it within
-        the deadline, then answer busy (IPMI 0xC0, Redfish 503 with Retry-After) and let the client retry."""
         deadline = time.monotonic() + self.deadline
         while True:
             importing = [m for m in (self.virtual_media(slot) for slot in self.media_slots())
@@ -304,8 +346,8 @@ class KubeVirtMachine(Machine):
             if time.monotonic() >= deadline:
                 medium = importing[0]
                 done = f" ({medium.progress}% done)" if medium.progress is not None else ""
-                raise BackendUnavailable(f"the virtual medium in {medium.slot} is still being imported{done}: the "
-                                         "machine powers on once it is in", retry_after=5)
+                raise BackendUnavailable(f"the virtual medium in {medium.slot} is still being imported{done}: a "
+                                         "running machine restarts once it is in", retry_after=5)
             time.sleep(0.1)
 
     def _reset(self, reset_type: ResetType) -> bool:
@@ -504,7 +546,8 @@ class KubeVirtMachine(Machine):
             taken = {str(d.get("name")) for d in disks} | {str(v.get("name")) for v in spec.get("volumes") or []}
             name = next(f"disk{n}" for n in range(1, len(taken) + 2) if f"disk{n}" not in taken)
             dv_name = f"{self.name}-{name}"
-            template = {"metadata": {"name": dv_name}, "spec": {
+            template = {"metadata": {"name": dv_name, "labels": {vmstate.MANAGED_BY[0]: vmstate.MANAGED_BY[1]}},
+                        "spec": {
                 "source": {"blank": {}},
                 "storage": {"resources": {"requests": {"storage": imagecheck.quantity(size_bytes)}}}}}
             ops: list[Obj] = []
@@ -520,6 +563,36 @@ class KubeVirtMachine(Machine):
             self._event("DiskCreated", f"added the blank disk {name} ({imagecheck.quantity(size_bytes)}, DataVolume "
                                        f"{dv_name}) for the next boot")
             return name
+
+    def delete_disk(self, name: str) -> None:
+        """Remove a disk create_disk added: its disk, volume and dataVolumeTemplates entry in one patch (the VM loses
+        it at its next boot, RestartRequired while it runs), then its DataVolume (Kubernetes keeps the claim while
+        a running VMI's pod uses it: pvc-protection)."""
+        with self._lock:
+            vm = self._vm()
+            if name not in vmstate.created_disks(vm):
+                raise InvalidRequest(f"the disk {name} is part of the VM's own definition: only disks added through "
+                                     "this BMC can be deleted")
+            spec = vmstate.template_spec(vm)
+            disks = ((spec.get("domain") or {}).get("devices") or {}).get("disks") or []
+            volumes = spec.get("volumes") or []
+            disk_index = next(i for i, d in enumerate(disks) if d.get("name") == name)
+            volume_index = next(i for i, v in enumerate(volumes) if v.get("name") == name)
+            dv_name = str((volumes[volume_index].get("dataVolume") or {}).get("name"))
+            templates = (vm.get("spec") or {}).get("dataVolumeTemplates") or []
+            template_index = next(i for i, t in enumerate(templates)
+                                  if (t.get("metadata") or {}).get("name") == dv_name)
+            ops: list[Obj] = []
+            for path, index, key, value in (
+                    ("/spec/template/spec/domain/devices/disks", disk_index, "name", name),
+                    ("/spec/template/spec/volumes", volume_index, "name", name),
+                    ("/spec/dataVolumeTemplates", template_index, "metadata/name", dv_name)):
+                ops += [{"op": "test", "path": f"{path}/{index}/{key}", "value": value},
+                        {"op": "remove", "path": f"{path}/{index}"}]
+            self._patch_vm(ops)
+            self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
+                       ok=lambda e: e.status == 404)
+            self._event("DiskDeleted", f"removed the disk {name} (DataVolume {dv_name}) from the next boot on")
 
     # ---- secure boot
 
@@ -645,38 +718,126 @@ class KubeVirtMachine(Machine):
                 self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
                            ok=lambda e: e.status == 404)
                 self._call("POST", f"{CDI}/namespaces/{self.namespace}/datavolumes", dv)
-            volume: Obj = {"name": disk, "dataVolume": {"name": dv_name, "hotpluggable": True}}
-            volumes = vmstate.template_spec(vm).get("volumes")
-            ops: list[Obj] = (
-                [{"op": "add", "path": "/spec/template/spec/volumes", "value": [volume]}] if volumes is None
-                else [{"op": "add", "path": "/spec/template/spec/volumes/-", "value": volume}])
-            self._patch_vm(ops)
+            # Into a running VM by hotplug; into one that is off as part of its next start (`_cold_plug`).
+            self._patch_vm(_add_op(vm, "/spec/template/spec/volumes",
+                                   _media_volume(disk, dv_name, hotplug=self._vmi_active())))
             self._event("VirtualMediaInserted", f"inserted {audit.redact_url(image)} into {disk}")
-            threading.Thread(target=self._follow_import, args=(slot, image), name=f"import-{dv_name}",
-                             daemon=True).start()
+            self._follow(slot)
 
-    def _follow_import(self, slot: str, image: str, poll: float = 1.0, limit: float = 3600.0) -> None:
+    def _follow(self, slot: str) -> None:
+        """Follow the import in `slot` on a thread of its own, unless one already does."""
+        with self._lock:
+            if slot in self._following:
+                return
+            self._following.add(slot)
+        threading.Thread(target=self._follow_import, args=(slot,), name=f"import-{self.name}-{slot}",
+                         daemon=True).start()
+
+    def _follow_import(self, slot: str, poll: float = 1.0, limit: float = 3600.0) -> None:
         """While an import runs, and only then: read its state once a second and tell the event bus (and so the
-        Redfish EventService, the IPMI SEL and the VirtualMachineBMC's Events) when it ends. An eject, another
-        image or an hour ends the watch."""
+        Redfish EventService, the IPMI SEL and the VirtualMachineBMC's Events) when it ends. A failed import no
+        longer holds the VM's start (`_release_failed`): a power-on the client was told of happens, without the
+        medium. An eject, another image or an hour ends the watch."""
         deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            time.sleep(poll)
-            try:
-                media = self.virtual_media(slot)
-            except MachineError:
-                continue  # the API server cannot answer now: ask again
-            if media.image != image or media.state not in (MediaState.INSERTING, MediaState.INSERTED,
-                                                           MediaState.FAILED):
-                return
-            shown = audit.redact_url(image)
-            if media.state == MediaState.INSERTED:
-                self._event("VirtualMediaImported", f"imported {shown} into {slot}")
-                return
-            if media.state == MediaState.FAILED:
-                self._event("VirtualMediaFailed", f"the import of {shown} into {slot} failed: {media.message}",
-                            "Warning")
-                return
+        image = ""
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    media = self.virtual_media(slot)
+                except MachineError:
+                    time.sleep(poll)
+                    continue  # the API server cannot answer now: ask again
+                image = image or media.image
+                if media.image != image or media.state not in (MediaState.INSERTING, MediaState.INSERTED,
+                                                               MediaState.FAILED):
+                    return
+                shown = audit.redact_url(image)
+                if media.state == MediaState.INSERTED:
+                    self._event("VirtualMediaImported", f"imported {shown} into {slot}")
+                    return
+                if media.state == MediaState.FAILED:
+                    self._release_failed(slot)
+                    self._event("VirtualMediaFailed", f"the import of {shown} into {slot} failed: {media.message}",
+                                "Warning")
+                    return
+                time.sleep(poll)
+        finally:
+            with self._lock:
+                self._following.discard(slot)
+
+    def _resume_imports(self, timeout: float = 30.0) -> None:
+        """After a (re)start of the agent: follow the imports a previous agent began, so that one that fails still
+        releases the VM's start. The intent itself lives in the cluster: the VMI that virt-controller holds."""
+        if not self.wait_ready(timeout):
+            return
+        try:
+            slots = self.media_slots()
+            states = {slot: self.virtual_media(slot).state for slot in slots}
+        except MachineError as exc:
+            log.warning("could not look for imports to follow: %s", exc)
+            return
+        for slot, state in states.items():
+            if state in (MediaState.INSERTING, MediaState.FAILED):
+                self._follow(slot)
+
+    def _cold_plug(self, vm: Obj) -> None:
+        """Before a start: every medium still importing becomes part of the new VMI from its first instruction. A
+        hotpluggable volume is attached by its own pod once the domain runs, too late for the firmware
+        (pkg/virt-controller/services/rendervolumes.go, hotplugVolumes), and nothing waits for it; a plain
+        dataVolume volume is waited for: virt-controller creates no launcher pod, and so boots nothing, until its
+        DataVolume has Succeeded (pkg/virt-controller/watch/vmi/datavolumes.go, areDataVolumesReady). So the start
+        is accepted at once and held by KubeVirt, in the VMI, until the medium is in."""
+        ops: list[Obj] = []
+        for slot in self.media_slots():
+            disk = self._cdrom(vm, slot)
+            found = self._volume(vm, disk) if disk else None
+            if disk is None or found is None or self.virtual_media(slot).state != MediaState.INSERTING:
+                continue
+            index, volume = found
+            source = volume.get("dataVolume") or {}
+            if source.get("name") and source.get("hotpluggable"):
+                path = f"/spec/template/spec/volumes/{index}"
+                ops += [{"op": "test", "path": path, "value": volume},
+                        {"op": "replace", "path": path, "value": _media_volume(disk, source["name"], hotplug=False)}]
+        if ops:
+            self._patch_vm(ops)
+
+    def _release_failed(self, slot: str) -> None:
+        """A failed import must not hold the VM: its volume becomes hotpluggable (nothing waits for those), kept so
+        that the medium shows why it failed, and a VMI still held by it (never booted) is replaced by one that is
+        not. A start the client was told of then happens, without the medium."""
+        try:
+            with self._lock:
+                vm = self._vm()
+                disk = self._cdrom(vm, slot)
+                found = self._volume(vm, disk) if disk else None
+                if disk is None or found is None:
+                    return
+                index, volume = found
+                source = volume.get("dataVolume") or {}
+                if not source.get("name") or source.get("hotpluggable"):
+                    return
+                path = f"/spec/template/spec/volumes/{index}"
+                self._patch_vm([{"op": "test", "path": path, "value": volume},
+                                {"op": "replace", "path": path,
+                                 "value": _media_volume(disk, source["name"], hotplug=True)}])
+                self._restart_held()
+        except MachineError as exc:
+            log.warning("could not release the VM from the failed import in %s: %s", slot, exc)
+
+    def _restart_held(self) -> None:
+        """A VMI that has not booted yet (virt-controller holds it for its volumes) starts again from the VM's
+        template, which no longer holds it."""
+        vmi = self._vmi()
+        phase = ((vmi or {}).get("status") or {}).get("phase") or ""
+        if vmi is None or phase not in ("", "Pending") or (vmi.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        self._subresource("virtualmachines", "restart", {"gracePeriodSeconds": 0})
+
+    def _vmi_active(self) -> bool:
+        """Whether a VMI is there (not finished): a medium then goes in by hotplug."""
+        phase = ((self._vmi() or {}).get("status") or {}).get("phase")
+        return self._vmi() is not None and phase not in ("Succeeded", "Failed")
 
     def _media_options(self) -> Obj:
         bmc = (self.bmc_watch.obj if self.bmc_watch is not None else None) or {}
@@ -715,10 +876,28 @@ class KubeVirtMachine(Machine):
                 path = f"/spec/template/spec/volumes/{index}"
                 self._patch_vm([{"op": "test", "path": f"{path}/name", "value": disk},
                                 {"op": "remove", "path": path}])
+                if not (found[1].get("dataVolume") or {}).get("hotpluggable"):
+                    self._restart_held()  # a VMI waiting for this medium would wait for ever once it is gone
             self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{self._dv_name(disk)}",
                        ok=lambda e: e.status == 404)
             if found is not None:
                 self._event("VirtualMediaEjected", f"ejected the medium from {disk}")
+
+
+def _media_volume(disk: str, dv_name: str, hotplug: bool) -> Obj:
+    """A medium's volume: hotpluggable into a running VM (DeclarativeHotplugVolumes), else part of the next start."""
+    source: Obj = {"name": dv_name, "hotpluggable": True} if hotplug else {"name": dv_name}
+    return {"name": disk, "dataVolume": source}
+
+
+def _add_op(vm: Obj, path: str, value: Obj) -> list[Obj]:
+    """Append `value` to the list at `path` ("/spec/template/spec/volumes"), creating the list."""
+    node: Any = vm
+    for part in path.strip("/").split("/"):
+        node = node.get(part) if isinstance(node, dict) else None
+    present = node is not None
+    return [{"op": "add", "path": f"{path}/-", "value": value} if present
+            else {"op": "add", "path": path, "value": [value]}]
 
 
 def _restored_firmware_ops(vm: Obj, record: Obj, otherwise: list[Obj]) -> list[Obj]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import re
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from ..model import BootMode, Disk, Health, HealthState, Inventory, Nic, PowerState
@@ -20,6 +21,7 @@ _POWERING_ON = {"Starting", "Provisioning", "WaitingForVolumeBinding", "WaitingF
 _OFF = {"Stopped", "CrashLoopBackOff", "DataVolumeError", "ErrorPvcNotFound", ""}
 # Error states in which the VM should run but cannot (yet): powering on, with a Warning.
 _START_ERRORS = {"ErrorUnschedulable", "ErrImagePull", "ImagePullBackOff", "ErrorDataVolumeNotFound", "Unknown"}
+_VOLUME_ERRORS = {"DataVolumeError", "ErrorPvcNotFound"}
 
 
 def _conditions(obj: Obj | None) -> dict[str, Obj]:
@@ -34,7 +36,35 @@ def printable_status(vm: Obj) -> str:
     return str((vm.get("status") or {}).get("printableStatus") or "")
 
 
+def _vmi_active(vmi: Obj | None) -> bool:
+    """A VMI that exists and has not finished (KubeVirt's IsFinal: Succeeded or Failed)."""
+    return vmi is not None and ((vmi.get("status") or {}).get("phase") or "") not in ("Succeeded", "Failed")
+
+
+def meant_to_run(vm: Obj, vmi: Obj | None) -> bool:
+    """Whether KubeVirt will run the VM without anyone asking again: a VMI is there, or its run strategy (or a
+    queued start request) tells virt-controller to create one. KubeVirt's VM controller holds that request while
+    the VM's DataVolumes import (pkg/virt-controller/watch/vm/vm.go, handleDataVolumes: no VMI until every
+    dataVolumeTemplates entry has Succeeded), so the request, in the VM's status, is the intent to power on."""
+    if _vmi_active(vmi) and not ((vmi or {}).get("metadata") or {}).get("deletionTimestamp"):
+        return True
+    spec = vm.get("spec") or {}
+    strategy = spec.get("runStrategy") or ("Always" if spec.get("running") else "Halted")
+    phase = ((vmi or {}).get("status") or {}).get("phase")
+    if strategy == "Always":
+        return True
+    if strategy == "RerunOnFailure":
+        return phase != "Succeeded"  # a guest that shut itself down stays off
+    if strategy == "Once":
+        return vmi is None
+    requests = (vm.get("status") or {}).get("stateChangeRequests") or []
+    return bool(requests) and requests[-1].get("action") == "Start"
+
+
 def power_state(vm: Obj, vmi: Obj | None) -> PowerState:
+    """The power state a BMC reports. KubeVirt's printableStatus says what the VM is doing, not whether it is meant
+    to run: a stopped VM whose medium imports is "Provisioning" as much as one waiting for it to boot. Only a VM
+    that KubeVirt will start is powering on; any other is off, whatever its DataVolumes do."""
     status = printable_status(vm)
     if status == "Paused" or (status in _ON and is_paused(vmi)):
         return PowerState.PAUSED
@@ -42,14 +72,16 @@ def power_state(vm: Obj, vmi: Obj | None) -> PowerState:
         return PowerState.ON
     if status in _POWERING_OFF:
         return PowerState.POWERING_OFF
-    if status in _POWERING_ON or status in _START_ERRORS:
-        return PowerState.POWERING_ON
+    if status in _POWERING_ON or status in _START_ERRORS or status in ("Stopped", ""):
+        return PowerState.POWERING_ON if meant_to_run(vm, vmi) else PowerState.OFF
+    if status in _VOLUME_ERRORS and _vmi_active(vmi):
+        return PowerState.POWERING_ON  # a VMI held by a volume that cannot be had: starting, with a Warning
     return PowerState.OFF
 
 
 def health(vm: Obj) -> Health:
     status = printable_status(vm)
-    if status in _START_ERRORS or status in ("CrashLoopBackOff", "DataVolumeError", "ErrorPvcNotFound"):
+    if status in _START_ERRORS or status in _VOLUME_ERRORS or status == "CrashLoopBackOff":
         failure = _conditions(vm).get("Failure", {})
         return Health(HealthState.WARNING, failure.get("message") or f"VM status is {status}")
     return Health()
@@ -97,7 +129,9 @@ def system_uuid(vm: Obj, vmi: Obj | None) -> str:
     return str(uuid.uuid5(FIRMWARE_UUID_NAMESPACE, str((vm.get("metadata") or {}).get("name") or "")))
 
 
-def inventory(vm: Obj, vmi: Obj | None) -> Inventory:
+def inventory(vm: Obj, vmi: Obj | None, claims: Mapping[str, Obj] | None = None) -> Inventory:
+    """The VM as a BMC inventories it; `claims` are the PersistentVolumeClaims its volumes name, by name (their
+    capacity sizes the disks)."""
     spec = template_spec(vm)
     domain = spec.get("domain") or {}
     cpu = domain.get("cpu") or {}
@@ -107,8 +141,9 @@ def inventory(vm: Obj, vmi: Obj | None) -> Inventory:
     devices = domain.get("devices") or {}
     nics = tuple(Nic(i["name"], str(i.get("macAddress") or seen_macs.get(i["name"]) or ""))
                  for i in devices.get("interfaces") or [])
-    sizes = disk_sizes(vm, vmi)
-    disks = tuple(_disk(d, sizes.get(str(d["name"]))) for d in devices.get("disks") or [])
+    sizes = disk_sizes(vm, vmi, claims or {})
+    created = set(created_disks(vm))
+    disks = tuple(_disk(d, sizes.get(str(d["name"])), str(d["name"]) in created) for d in devices.get("disks") or [])
     meta = vm.get("metadata") or {}
     firmware = domain.get("firmware") or {}
     return Inventory(
@@ -123,17 +158,53 @@ def inventory(vm: Obj, vmi: Obj | None) -> Inventory:
     )
 
 
-def _disk(disk: Obj, size: int | None) -> Disk:
+def _disk(disk: Obj, size: int | None, created: bool = False) -> Disk:
     kind = next((k for k in ("cdrom", "disk", "lun") if k in disk), "disk")
     bus = str((disk.get(kind) or {}).get("bus") or ("sata" if kind == "cdrom" else "virtio"))
-    return Disk(str(disk["name"]), "cdrom" if kind == "cdrom" else "disk", size, bus)
+    return Disk(str(disk["name"]), "cdrom" if kind == "cdrom" else "disk", size, bus, created)
 
 
-def disk_sizes(vm: Obj, vmi: Obj | None) -> dict[str, int]:
-    """volume name -> bytes, where the cluster says: the bound claim's capacity in the running VMI's volumeStatus
-    (persistentVolumeClaimInfo, what virt-controller read from the PVC); else what the VM asks for (its
-    dataVolumeTemplates' storage request, an emptyDisk's capacity, a hostDisk's). A containerDisk has no size
-    anyone states: absent."""
+MANAGED_BY = ("app.kubernetes.io/managed-by", "kubevbmc")
+
+
+def created_disks(vm: Obj) -> list[str]:
+    """The disks the BMC added (create_disk): their volume's DataVolume is a dataVolumeTemplates entry it labelled."""
+    ours = {str((t.get("metadata") or {}).get("name")) for t in (vm.get("spec") or {}).get("dataVolumeTemplates") or []
+            if ((t.get("metadata") or {}).get("labels") or {}).get(MANAGED_BY[0]) == MANAGED_BY[1]}
+    return [str(v.get("name")) for v in template_spec(vm).get("volumes") or []
+            if ((v.get("dataVolume") or {}).get("name") or None) in ours]
+
+
+def claim_name(volume: Obj) -> str:
+    """The PersistentVolumeClaim behind a volume: a dataVolume's claim has the DataVolume's name (CDI creates it
+    so), a persistentVolumeClaim names its own; "" for any other source."""
+    source = volume.get("dataVolume") or volume.get("persistentVolumeClaim") or {}
+    return str(source.get("name") or source.get("claimName") or "") if isinstance(source, dict) else ""
+
+
+def claim_names(vm: Obj) -> list[str]:
+    """The claims the VM's volumes name, in the order of its volumes."""
+    return [name for name in (claim_name(v) for v in template_spec(vm).get("volumes") or []) if name]
+
+
+def bound_capacity(claim: Obj | None) -> int:
+    """A claim's size as the cluster states it: status.capacity of a Bound claim (what its volume holds, which may
+    be more than it asked for); 0 when it is not bound."""
+    status = (claim or {}).get("status") or {}
+    if status.get("phase") != "Bound":
+        return 0
+    return quantity_bytes((status.get("capacity") or {}).get("storage"))
+
+
+def disk_sizes(vm: Obj, vmi: Obj | None, claims: Mapping[str, Obj] | None = None) -> dict[str, int]:
+    """volume name -> bytes, from what the cluster states, first found wins:
+    1. a bound claim's status.capacity (`claims`, read whether or not the VM runs);
+    2. the running VMI's volumeStatus: persistentVolumeClaimInfo.capacity (what virt-controller read from the
+       claim), or `size` (what virt-handler measured of the image file; it does so for the ISO volumes it builds:
+       cloud-init, configMap, secret... pkg/virt-handler/vm.go, updateIsoSizeStatus);
+    3. what the VM asks for: its dataVolumeTemplates' storage request, an emptyDisk's or a hostDisk's capacity.
+    A containerDisk's size is stated nowhere (KubeVirt reports none, running or not): absent, never a guess."""
+    claims = claims or {}
     spec = template_spec(vm)
     requested: dict[str, int] = {}
     for template in (vm.get("spec") or {}).get("dataVolumeTemplates") or []:
@@ -142,20 +213,21 @@ def disk_sizes(vm: Obj, vmi: Obj | None) -> dict[str, int]:
         size = quantity_bytes(((claim.get("resources") or {}).get("requests") or {}).get("storage"))
         if size:
             requested[str((template.get("metadata") or {}).get("name"))] = size
+    running: dict[str, int] = {}
+    for status in ((vmi or {}).get("status") or {}).get("volumeStatus") or []:
+        capacity = quantity_bytes(((status.get("persistentVolumeClaimInfo") or {}).get("capacity") or {})
+                                  .get("storage")) or quantity_bytes(status.get("size"))
+        if capacity:
+            running[str(status.get("name"))] = capacity
     sizes: dict[str, int] = {}
     for volume in spec.get("volumes") or []:
         name = str(volume.get("name"))
-        source = volume.get("dataVolume") or volume.get("persistentVolumeClaim") or {}
-        claim = str(source.get("name") or source.get("claimName") or "")
-        size = requested.get(claim) or quantity_bytes((volume.get("emptyDisk") or {}).get("capacity")) \
+        claim = claim_name(volume)
+        size = (bound_capacity(claims.get(claim)) if claim else 0) or running.get(name) or requested.get(claim) \
+            or quantity_bytes((volume.get("emptyDisk") or {}).get("capacity")) \
             or quantity_bytes((volume.get("hostDisk") or {}).get("capacity"))
         if size:
             sizes[name] = size
-    for status in ((vmi or {}).get("status") or {}).get("volumeStatus") or []:
-        capacity = quantity_bytes(((status.get("persistentVolumeClaimInfo") or {}).get("capacity") or {})
-                                  .get("storage"))
-        if capacity:
-            sizes[str(status.get("name"))] = capacity
     return sizes
 
 
