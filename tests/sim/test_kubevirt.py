@@ -963,9 +963,12 @@ def test_a_start_request_waits_for_the_vms_datavolumes_to_import(custom: client.
     seen: list[tuple[str, str, bool]] = []
 
     def sample() -> bool:
-        phase = get_datavolume(custom, namespace, "vm-iso").get("status", {}).get("phase", "")
-        vm = get_vm(custom, namespace, "vm")
+        # The VMI is read first: once it exists, the import must already have Succeeded, so a phase read after it
+        # can be nothing else (read the other way round, an import finishing between the two reads looks like a VMI
+        # created early).
         vmi = get_vmi(custom, namespace, "vm")
+        vm = get_vm(custom, namespace, "vm")
+        phase = get_datavolume(custom, namespace, "vm-iso").get("status", {}).get("phase", "")
         seen.append((phase, vm.get("status", {}).get("printableStatus", ""), vmi is not None))
         return vmi is not None
 
