@@ -586,6 +586,39 @@ def test_orphan_deletion_keeps_dependents_without_the_owner_reference(api: clien
     assert not child["metadata"].get("ownerReferences")
 
 
+def test_a_dependent_that_keeps_a_live_owner_loses_the_reference_to_a_deleted_one(api: client.ApiClient,
+                                                                                    namespace: str) -> None:
+    """kube-controller-manager's garbage collector (attemptToDeleteItem: solid and dangling owners) removes the
+    dangling reference by uid and keeps the object; whatever else changed in it meanwhile stays."""
+    first, second = configmap(api, namespace, "first"), configmap(api, namespace, "second")
+    refs = [{"apiVersion": "v1", "kind": "ConfigMap", "name": o["metadata"]["name"], "uid": o["metadata"]["uid"]}
+            for o in (first, second)]
+    assert call(api, "POST", cm_path(namespace), {"metadata": {"name": "shared", "ownerReferences": refs}}).status \
+        == 201
+    call(api, "DELETE", cm_path(namespace, "first"))
+    shared = wait_for(lambda: (b := call(api, "GET", cm_path(namespace, "shared")).body)["metadata"].get(
+        "ownerReferences") == refs[1:] and b, what="the dangling reference removed")
+    assert shared["metadata"]["uid"]
+    # A reference to an owner that no longer exists, added again (a writer with a stale cache): removed again.
+    call(api, "PATCH", cm_path(namespace, "shared"), {"metadata": {"ownerReferences": refs}},
+         content_type="application/merge-patch+json")
+    wait_for(lambda: call(api, "GET", cm_path(namespace, "shared")).body["metadata"].get("ownerReferences")
+             == refs[1:], what="the re-added dangling reference removed")
+    # Its last owner gone, the object goes.
+    call(api, "DELETE", cm_path(namespace, "second"))
+    wait_for(lambda: call(api, "GET", cm_path(namespace, "shared")).status == 404, what="the dependent deleted")
+
+
+def test_an_object_whose_owners_were_all_deleted_before_it_was_created_is_collected(api: client.ApiClient,
+                                                                                      namespace: str) -> None:
+    gone = configmap(api, namespace, "gone")
+    call(api, "DELETE", cm_path(namespace, "gone"))
+    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": gone["metadata"]["uid"]}
+    assert call(api, "POST", cm_path(namespace), {"metadata": {"name": "late", "ownerReferences": [ref]}}).status \
+        == 201
+    wait_for(lambda: call(api, "GET", cm_path(namespace, "late")).status == 404, what="the orphan collected")
+
+
 def test_deleting_a_namespace_removes_its_contents(api: client.ApiClient) -> None:
     ns = f"gone-{uuid.uuid4().hex[:6]}"
     call(api, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
