@@ -158,3 +158,32 @@ def test_a_pool_whose_objects_lost_their_owners_still_goes_with_its_last_member(
     assert len(pool_objects(api, "bare")) == len(POOL_KINDS)  # the collector has nothing to go by
     controller.restart()
     gone_for_good(api, "bare")
+
+
+def test_a_grown_pool_shrunk_then_emptied(cluster: Any, controller: ControllerProcess) -> None:
+    """The sequence that left a real cluster's pool objects with no owner at all (2 teardowns of 2): 5 members,
+    3 more, 6 of the 8 deleted, then the last 2 a moment apart."""
+    _, api = cluster
+    names = make_pool(api, "grow")
+    wait_for(lambda: members_served(api, "grow", names), timeout=60, what="the pool owned by its 4 members")
+    more = []
+    for i in range(MEMBERS, MEMBERS + 3):
+        name = f"grow-{i}"
+        make_vm(api, NS, name, cdrom=False)
+        call(api, "POST", f"/api/v1/namespaces/{NS}/secrets",
+             {"metadata": {"name": f"{name}-auth"}, "stringData": {"username": "u", "password": "p"}})
+        call(api, "POST", BMCS, {"apiVersion": "bmc.kubevirt.io/v1beta1", "kind": "VirtualMachineBMC",
+                                 "metadata": {"name": name}, "spec": {"virtualMachineRef": {"name": name},
+                                                                      "authSecretRef": {"name": f"{name}-auth"},
+                                                                      "agentPool": "grow"}})
+        more.append(name)
+    wait_for(lambda: members_served(api, "grow", names + more), timeout=60, what="the pool grown to 7")
+    last = [names[-1], more[-1]]
+    for name in names[:-1] + more[:-1]:
+        assert call(api, "DELETE", f"{BMCS}/{name}").status == 200
+    wait_for(lambda: pool_objects(api, "grow") and all(
+        f"'{n}'" not in o for o in pool_objects(api, "grow") for n in names[:-1] + more[:-1]), timeout=30,
+             what="the pool shrunk to 2")
+    for name in last:
+        assert call(api, "DELETE", f"{BMCS}/{name}").status == 200
+    gone_for_good(api, "grow")
