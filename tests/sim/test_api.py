@@ -7,6 +7,7 @@ behaviours observed on a real kube-apiserver that these tests pin down).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -626,6 +627,53 @@ def test_deleting_a_namespace_removes_its_contents(api: client.ApiClient) -> Non
     assert call(api, "DELETE", f"/api/v1/namespaces/{ns}").status == 200
     wait_for(lambda: call(api, "GET", f"/api/v1/namespaces/{ns}").status == 404, what="namespace gone")
     assert call(api, "GET", cm_path(ns, "inside")).status == 404
+
+
+# ---- what clients cost: /metrics
+
+
+def request_counts(api: client.ApiClient) -> dict[tuple[str, ...], float]:
+    """apiserver_request_total by (verb, resource, subresource, scope, code), from /metrics."""
+    reply = call(api, "GET", "/metrics", headers={"Accept": "text/plain"})
+    assert reply.status == 200
+    counts: dict[tuple[str, ...], float] = {}
+    for line in str(reply.body).splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            assert set(labels) == {"code", "component", "dry_run", "group", "resource", "scope", "subresource",
+                                   "system_client", "verb", "version"}  # kube-apiserver v1.36's, all of them
+            key = (labels["verb"], labels["resource"], labels["subresource"], labels["scope"], labels["code"])
+            counts[key] = counts.get(key, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_metrics_count_requests_by_verb_resource_subresource_scope_and_code(api: client.ApiClient,
+                                                                             namespace: str) -> None:
+    """The verbs and scopes kube-apiserver's apiserver_request_total gives requests (observed on v1.36): a LIST
+    of a namespace, a GET of one object, a WATCH (counted when it ends), an APPLY, a PATCH, a 404."""
+    configmap(api, namespace, "counted")
+    before = request_counts(api)
+    call(api, "GET", cm_path(namespace))
+    call(api, "GET", cm_path(namespace, "counted"))
+    call(api, "GET", cm_path(namespace, "absent"))
+    call(api, "GET", cm_path(namespace), query={"watch": "true", "timeoutSeconds": "1"})
+    call(api, "PATCH", cm_path(namespace, "applied"), {"apiVersion": "v1", "kind": "ConfigMap",
+                                                        "metadata": {"name": "applied"}},
+         query={"fieldManager": "t"}, content_type="application/apply-patch+yaml")
+    call(api, "PATCH", f"/api/v1/namespaces/{namespace}", {"metadata": {"labels": {"counted": "yes"}}},
+         content_type="application/merge-patch+json")
+    call(api, "GET", "/healthz")
+    call(api, "GET", "/version")
+    after = request_counts(api)
+    grown = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    # /metrics, /version and discovery are not counted; the health checks are, by path.
+    assert grown == {("GET", "", "/healthz", "", "200"): 1,
+                     ("LIST", "configmaps", "", "namespace", "200"): 1,
+                     ("GET", "configmaps", "", "resource", "200"): 1,
+                     ("GET", "configmaps", "", "resource", "404"): 1,
+                     ("WATCH", "configmaps", "", "namespace", "200"): 1,
+                     ("APPLY", "configmaps", "", "resource", "201"): 1,
+                     ("PATCH", "namespaces", "", "resource", "200"): 1}
 
 
 # ---- HTTP framing
