@@ -201,6 +201,11 @@ def changed(old: Obj | None, new: Obj | None, ignore: tuple[str, ...] = ()) -> b
     return seen(old) != seen(new)
 
 
+def _agent_report(bmc: Obj | None) -> Any:
+    """What a pool's agent says of this member (status.agent): the one part of the status the reconciler reads."""
+    return ((bmc or {}).get("status") or {}).get("agent")
+
+
 class Caches:
     def __init__(self, api: KubeApi, namespace: str, enqueue: Callable[[Key | PoolKey], None]) -> None:
         self.enqueue = enqueue
@@ -280,7 +285,7 @@ class Caches:
     def _on_bmc(self, old: Obj | None, new: Obj | None) -> None:
         obj = new or old
         assert obj is not None
-        if not changed(old, new, ignore=("status",)):
+        if not changed(old, new, ignore=("status",)) and _agent_report(old) == _agent_report(new):
             return  # its status (ours, or the agent's boot record): nothing to reconcile
         meta = obj["metadata"]
         ns, name = meta["namespace"], meta["name"]

@@ -34,6 +34,7 @@ from .status import (
     Observed,
     desired_status,
     load_balancer_address,
+    not_serving,
     progress_only,
     status_patch,
     transitions,
@@ -271,7 +272,8 @@ class Reconciler:
                                                   external=load_balancer_address(service),
                                                   deployment=None if deployment is None else self._judged(deployment),
                                                   certificate=certificate, pool=pool,
-                                                  up_to_date=up_to_date))
+                                                  up_to_date=up_to_date,
+                                                  not_serving=not_serving(bmc) if pool else ""))
         return self._until_renewal(result, certificate)
 
     def _apply_children(self, bmc: Obj, spec: BMCSpec, vm: Obj | None, secret: Obj | None,

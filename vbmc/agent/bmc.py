@@ -209,6 +209,17 @@ class Bmc:
         machine_done = self.machine_ready or self.vm_absent
         return http_done and https_done and (ipmi_done or self.vm_absent) and machine_done
 
+    def serving_report(self) -> tuple[bool, str] | None:
+        """(serving everything its spec asks for, why not) once its first start settled; None before, or while
+        its VM does not exist (the controller knows that without being told)."""
+        if not self.settled() or self.vm_absent or self.machine is None:
+            return None
+        if self.serving():
+            return True, ""
+        errors = [f"{part.what}: {part.error}" for key, part in self.parts.items()
+                  if key in ("http", "https", "ipmi") and part.error]
+        return False, "; ".join(errors) or "not serving every listener yet"
+
     def listener_error(self) -> str:
         """Why its HTTP or HTTPS listener failed to open, "" when neither did."""
         return self.parts["http"].error or self.parts["https"].error

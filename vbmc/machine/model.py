@@ -260,6 +260,12 @@ class Machine(abc.ABC):
             self.events.publish(POWER_STATE_CHANGED, f"power state changed from {before} to {power}",
                                 **{"from": str(before), "to": str(power)})
 
+    def report_serving(self, serving: bool, message: str) -> None:
+        """Tell the machine's owner whether the BMC in front of it serves everything it should: a pool member's
+        own readiness, which the pool's pod cannot show (it stays ready while any member serves). Blocking; the
+        default has nobody to tell but the log."""
+        log.debug("machine %s: %s", "serving" if serving else "not serving", message or "every listener up")
+
     def secure_boot(self) -> SecureBoot:
         """UEFI secure boot; the default reads the inventory and claims no running boot."""
         inventory = self.inventory()

@@ -148,6 +148,16 @@ class KubeVirtMachine(Machine):
             return None
         return vmstate.running_since(self._vmi())
 
+    def report_serving(self, serving: bool, message: str) -> None:
+        """status.agent of the VirtualMachineBMC, when it says otherwise (the controller reads it into this BMC's
+        Ready): one merge patch on a change, none at rest."""
+        bmc = self.bmc_watch.obj if self.bmc_watch is not None else None
+        want = {"serving": serving, "message": message}
+        if bmc is None or (bmc.get("status") or {}).get("agent") == want:
+            return
+        self.client.request("PATCH", f"{self.bmc_path}/status", {"status": {"agent": want}},
+                            content_type=MERGE_PATCH)
+
     # ---- serial console (IPMI SOL)
 
     def has_serial_console(self) -> bool:
