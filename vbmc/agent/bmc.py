@@ -161,7 +161,8 @@ class Bmc:
             app = MetricsApp(service_disabled, self.throttle.metrics)
         server = self.agent.server_config
         self.front = RedfishFront(app, probes={"/healthz": lambda: True, "/readyz": self.ready},
-                                  threads=server.threads, body_timeout=server.body_timeout, limits=server.limits)
+                                  threads=server.threads, body_timeout=server.body_timeout, limits=server.limits,
+                                  arrived=self.machine.client_arrived)
 
     def _login_throttled(self, engaged: Engaged) -> None:
         """A Warning Event on this BMC's VirtualMachineBMC (at most one per source a minute, see

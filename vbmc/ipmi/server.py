@@ -354,6 +354,7 @@ class IpmiServer:
                 log.exception("ipmi: serial console work failed vm=%s", self._vm)
 
     def _datagram(self, packet: bytes, sockaddr: Any) -> None:
+        self.machine.client_arrived()  # a session's first command comes a few round trips later
         kind = rmcp.classify(packet)
         if kind is rmcp.PacketKind.RMCP_PLUS:
             payload_type = rmcp.rmcp_plus_payload_type(packet)

@@ -130,9 +130,11 @@ class RedfishFront:
     """An ASGI app in front of a WSGI app: probes on the event loop, whole requests to worker threads."""
 
     def __init__(self, app: Any, *, probes: Mapping[str, Probe] | None = None, threads: int = 2,
-                 body_timeout: float = 10.0, limits: Limits | None = None) -> None:
+                 body_timeout: float = 10.0, limits: Limits | None = None,
+                 arrived: Callable[[], None] | None = None) -> None:
         self.app = app
         self.probes = dict(probes or {})
+        self.arrived = arrived  # told of every request but a probe, before its body is read (must not block)
         self.body_timeout = body_timeout
         self.limits = limits or Limits()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="redfish")
@@ -160,6 +162,8 @@ class RedfishFront:
             await _respond(send, 200 if ok else 503, [(b"content-type", b"text/plain")],
                            b"ok\n" if ok else b"not ready\n")
             return
+        if self.arrived is not None:
+            self.arrived()
         try:
             self._check_head(scope)
             body = await self._read_body(scope, receive)

@@ -40,7 +40,7 @@ from ..model import (
 )
 from . import bootorder, console, firmware, imagecheck, vmstate
 from .client import KubeClient, KubeError, Unreachable, merge_patched
-from .watch import ObjectWatch, confirm
+from .watch import ObjectWatch, confirm, confirm_soon
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -123,6 +123,9 @@ class KubeVirtMachine(Machine):
 
     def _vmi(self) -> Obj | None:
         return self.vmi_watch.obj
+
+    def client_arrived(self) -> None:
+        confirm_soon(self._watches)
 
     def notify_changed(self, power: PowerState | None = None) -> None:
         """From a watch's handler, on the process's watch loop: the cached state as it is, never a confirmation

@@ -33,7 +33,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .client import KubeClient, KubeError, Unreachable
@@ -84,6 +84,23 @@ def confirm(watches: Sequence[ObjectWatch]) -> str:
             return ""
         first.refused_until = time.monotonic() + CONFIRM_RETRY
         return first.staleness() or "the Kubernetes API server did not confirm the agent's cache"
+
+
+_ahead: ThreadPoolExecutor | None = None
+_ahead_lock = threading.Lock()
+
+
+def confirm_soon(watches: Sequence[ObjectWatch]) -> None:
+    """Start `confirm(watches)` in the background when a read would have to (a client has just arrived: its first
+    read then finds the confirmation done, or under way, and waits only for the rest). A clock read when the caches
+    are fresh; never blocks."""
+    global _ahead
+    if all(w.fresh for w in watches) or watches[0].confirm_lock.locked():
+        return
+    with _ahead_lock:
+        if _ahead is None:
+            _ahead = ThreadPoolExecutor(max_workers=4, thread_name_prefix="confirm")
+    _ahead.submit(confirm, watches)
 
 
 class ObjectWatch:
