@@ -83,7 +83,7 @@ def confirm(watches: Sequence[ObjectWatch]) -> str:
                 watch.heard_at(sent)
             return ""
         first.refused_until = time.monotonic() + CONFIRM_RETRY
-        return first.staleness() or "the Kubernetes API server did not confirm the agent's cache"
+        return first.staleness() or "the Kubernetes API server is unreachable"
 
 
 _ahead: ThreadPoolExecutor | None = None
