@@ -458,16 +458,23 @@ class _Handler(BaseHTTPRequestHandler):
                 self.api.count_request((*self._request_labels, str(self._code)))
 
     def _counted_as(self, method: str, group: str, version: str, resource: str, subresource: str, namespace: str,
-                    name: str, watch: bool) -> None:
-        """The labels kube-apiserver's request metrics give this request (endpoints/metrics: CleanVerb)."""
+                    name: str, watch: bool, custom: bool = False) -> None:
+        """The labels kube-apiserver's request metrics give this request. A built-in kind's are its route's
+        (endpoints/installer.go: a list or watch is of its namespace, or the cluster); a custom resource's come
+        from the request (apiextensions-apiserver: metrics.CleanScope and CanonicalVerb), where a list or watch
+        whose field selector requires metadata.name names that object (request.RequestInfoFactory), so a LIST of
+        one object by name is a GET of scope "resource". A create is of scope "resource" in both. Observed on
+        kube-apiserver v1.36."""
+        if method == "GET" and not name and custom:
+            name = selected_name(self.query.get("fieldSelector")) or ""
+        scope = "resource" if name or method == "POST" else "namespace" if namespace else "cluster"
         verb = method
         if method == "GET":
-            verb = "WATCH" if watch else "GET" if name else "LIST"
+            verb = "WATCH" if watch else "GET" if scope == "resource" else "LIST"
         elif method == "PATCH" and self.fields.get("Content-Type", "").startswith("application/apply-patch"):
             verb = "APPLY"
         elif method == "DELETE" and not name:
             verb = "DELETECOLLECTION"
-        scope = "resource" if name else "namespace" if namespace else "cluster"
         self._request_labels = (verb, group, version, resource, subresource, scope)
 
     def _serve_counted(self, method: str, url_path: str) -> None:
@@ -615,8 +622,8 @@ class _Handler(BaseHTTPRequestHandler):
         resource = rest[0] if rest else ""
         name = rest[1] if len(rest) > 1 else ""
         sub = "/".join(rest[2:])
-        self._counted_as(method, group, version, resource, sub, namespace, name,
-                         watch or (method == "GET" and self.query.get("watch") in ("true", "1", "True")))
+        watching = watch or (method == "GET" and self.query.get("watch") in ("true", "1", "True"))
+        self._counted_as(method, group, version, resource, sub, namespace, name, watching)
         sub_api = api.subresource_apis.get((group, version))
         if sub_api is not None:
             stream = sub_api.stream(resource, sub) if namespace and name else None
@@ -632,6 +639,8 @@ class _Handler(BaseHTTPRequestHandler):
         rtype = api.store.find_type(group, resource)
         if rtype is None or version not in rtype.served_versions or (bool(namespace) and not rtype.namespaced):
             raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        if rtype.schema is not None:
+            self._counted_as(method, group, version, resource, sub, namespace, name, watching, custom=True)
         if rtype.key == "/pods" and sub == "log" and namespace and not watch:
             self.version, self.rtype = version, rtype
             if method != "GET":

@@ -650,13 +650,24 @@ def request_counts(api: client.ApiClient) -> dict[tuple[str, ...], float]:
 def test_metrics_count_requests_by_verb_resource_subresource_scope_and_code(api: client.ApiClient,
                                                                              namespace: str) -> None:
     """The verbs and scopes kube-apiserver's apiserver_request_total gives requests (observed on v1.36): a LIST
-    of a namespace, a GET of one object, a WATCH (counted when it ends), an APPLY, a PATCH, a 404."""
+    of a namespace, a GET of one object (also through a list by name), a WATCH (counted when it ends), a create,
+    an APPLY, a PATCH, a 404."""
     configmap(api, namespace, "counted")
     before = request_counts(api)
     call(api, "GET", cm_path(namespace))
     call(api, "GET", cm_path(namespace, "counted"))
     call(api, "GET", cm_path(namespace, "absent"))
     call(api, "GET", cm_path(namespace), query={"watch": "true", "timeoutSeconds": "1"})
+    # A built-in kind's list or watch by name is its route's: of the namespace.
+    call(api, "GET", cm_path(namespace), query={"fieldSelector": "metadata.name=counted", "resourceVersion": "0"})
+    call(api, "GET", cm_path(namespace), query={"fieldSelector": "metadata.name=counted", "watch": "true",
+                                                "timeoutSeconds": "1"})
+    configmap(api, namespace, "created")
+    # A custom resource's is the object's (apiextensions-apiserver): a GET, a WATCH of scope resource.
+    vms = f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines"
+    call(api, "GET", vms, query={"fieldSelector": "metadata.name=vm", "resourceVersion": "0"})
+    call(api, "GET", vms, query={"fieldSelector": "metadata.name=vm", "watch": "true", "timeoutSeconds": "1"})
+    call(api, "GET", vms)
     call(api, "PATCH", cm_path(namespace, "applied"), {"apiVersion": "v1", "kind": "ConfigMap",
                                                         "metadata": {"name": "applied"}},
          query={"fieldManager": "t"}, content_type="application/apply-patch+yaml")
@@ -668,10 +679,14 @@ def test_metrics_count_requests_by_verb_resource_subresource_scope_and_code(api:
     grown = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     # /metrics, /version and discovery are not counted; the health checks are, by path.
     assert grown == {("GET", "", "/healthz", "", "200"): 1,
-                     ("LIST", "configmaps", "", "namespace", "200"): 1,
+                     ("LIST", "configmaps", "", "namespace", "200"): 2,
                      ("GET", "configmaps", "", "resource", "200"): 1,
                      ("GET", "configmaps", "", "resource", "404"): 1,
-                     ("WATCH", "configmaps", "", "namespace", "200"): 1,
+                     ("WATCH", "configmaps", "", "namespace", "200"): 2,
+                     ("POST", "configmaps", "", "resource", "201"): 1,
+                     ("GET", "virtualmachines", "", "resource", "200"): 1,
+                     ("WATCH", "virtualmachines", "", "resource", "200"): 1,
+                     ("LIST", "virtualmachines", "", "namespace", "200"): 1,
                      ("APPLY", "configmaps", "", "resource", "201"): 1,
                      ("PATCH", "namespaces", "", "resource", "200"): 1}
 
