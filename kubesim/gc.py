@@ -41,7 +41,9 @@ class GarbageCollector(ControlLoop):
             self._dependents.get(uid, set()).discard(me)
         for uid in refs:
             self._dependents.setdefault(uid, set()).add(me)
-        if refs and refs != old_refs:  # new owners to check; unchanged ones were checked when they were set
+        # A new owner that does not exist (the real graph's "virtual" node) gets the dependent looked at; one that
+        # exists is looked at only when it goes (graph_builder.go: attemptToDelete is for owners it has not seen).
+        if any(self.store.by_uid(uid) is None for uid in refs - old_refs):
             self.enqueue(("dependent", *me))
         if event.type == DELETED or meta.get("deletionTimestamp"):
             self.enqueue(("owner", meta["uid"], *me))

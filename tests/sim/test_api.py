@@ -647,11 +647,19 @@ def request_counts(api: client.ApiClient) -> dict[tuple[str, ...], float]:
     return counts
 
 
-def test_metrics_count_requests_by_verb_resource_subresource_scope_and_code(api: client.ApiClient,
-                                                                             namespace: str) -> None:
+def test_metrics_count_requests_by_verb_resource_subresource_scope_and_code(tmp_path: Path) -> None:
     """The verbs and scopes kube-apiserver's apiserver_request_total gives requests (observed on v1.36): a LIST
     of a namespace, a GET of one object (also through a list by name), a WATCH (counted when it ends), a create,
-    an APPLY, a PATCH, a 404."""
+    an APPLY, a PATCH, a 404. A kubesim of its own: this test is its only client."""
+    sim = start_sim(tmp_path / "sim")
+    try:
+        counted(sim.api(), "counted")
+    finally:
+        sim.stop()
+
+
+def counted(api: client.ApiClient, namespace: str) -> None:
+    assert call(api, "POST", "/api/v1/namespaces", {"metadata": {"name": namespace}}).status == 201
     configmap(api, namespace, "counted")
     before = request_counts(api)
     call(api, "GET", cm_path(namespace))
