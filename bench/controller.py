@@ -18,6 +18,7 @@ Usage: python bench/controller.py [--bmcs N] [--steady SECONDS] [--after SECONDS
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import contextlib
 import os
@@ -40,6 +41,7 @@ import yaml  # noqa: E402
 
 from tests.support.cluster import BMC_CRD, Sim, start_sim, wait_for  # noqa: E402
 from vbmc.machine.kubevirt.client import KubeClient, Unreachable, load_credentials  # noqa: E402
+from vbmc.machine.kubevirt.streams import watch_events  # noqa: E402
 
 NS = "bench"
 
@@ -87,15 +89,16 @@ class ReadyWatch:
         self.changed = threading.Condition()
         path = f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{NS}/virtualmachinebmcs"
         rv = api.request("GET", path)["metadata"]["resourceVersion"]
-        self._events = api.stream(path, {"resourceVersion": rv, "timeoutSeconds": str(int(deadline))}, deadline + 5)
+        self._events = watch_events(api, path, {"resourceVersion": rv, "timeoutSeconds": str(int(deadline))},
+                                    deadline + 5)
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         with contextlib.suppress(Unreachable):  # kubesim stopping at the end of the run
-            self._follow()
+            asyncio.run(self._follow())
 
-    def _follow(self) -> None:
-        for event in self._events:
+    async def _follow(self) -> None:
+        async for event in self._events:
             obj = event.get("object") or {}
             name = (obj.get("metadata") or {}).get("name", "")
             with self.changed:

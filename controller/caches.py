@@ -12,9 +12,10 @@ import json
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from .desired import AGENT, MANAGED_BY, MANAGER, NAME_LABEL, OWNER_LABEL, POOL_LABEL
+from .desired import AGENT, MANAGED_BY, MANAGER, NAME_LABEL, OWNER_LABEL, POOL_LABEL, pool_name
 from .informer import Informer, Key, Kind
 from .kubeapi import KubeApi
 from .settings import FIELD_MANAGER
@@ -30,12 +31,22 @@ SERVICES = Kind("", "v1", "services")
 ROLES = Kind("rbac.authorization.k8s.io", "v1", "roles")
 ROLE_BINDINGS = Kind("rbac.authorization.k8s.io", "v1", "rolebindings")
 DEPLOYMENTS = Kind("apps", "v1", "deployments")
+REPLICA_SETS = Kind("apps", "v1", "replicasets")  # not cached: read by name when a Deployment's verdict names one
 CHILD_KINDS = {"ServiceAccount": SERVICE_ACCOUNTS, "Service": SERVICES, "Role": ROLES, "RoleBinding": ROLE_BINDINGS,
                "Deployment": DEPLOYMENTS, "Secret": SECRETS}
 
 
 # The work queue's key for the fleet's rollout (controller/rollout.py): no VirtualMachineBMC has an empty name.
 FLEET: Key = ("", "")
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    """The work queue's key for a pool's own objects (reconciler.reconcile_pool): not a tuple, so that it never
+    equals a VirtualMachineBMC's (namespace, name)."""
+
+    namespace: str
+    pool: str
 
 
 def pool_of(bmc: Obj | None) -> str:
@@ -190,8 +201,13 @@ def changed(old: Obj | None, new: Obj | None, ignore: tuple[str, ...] = ()) -> b
     return seen(old) != seen(new)
 
 
+def _agent_report(bmc: Obj | None) -> Any:
+    """What a pool's agent says of this member (status.agent): the one part of the status the reconciler reads."""
+    return ((bmc or {}).get("status") or {}).get("agent")
+
+
 class Caches:
-    def __init__(self, api: KubeApi, namespace: str, enqueue: Callable[[Key], None]) -> None:
+    def __init__(self, api: KubeApi, namespace: str, enqueue: Callable[[Key | PoolKey], None]) -> None:
         self.enqueue = enqueue
         self._lock = threading.Lock()
         self._by_vm: dict[Key, set[str]] = {}      # (ns, vm) -> BMC names
@@ -199,7 +215,6 @@ class Caches:
         self._refs: dict[Key, tuple[str, list[str]]] = {}
         self._by_pool: dict[Key, set[str]] = {}  # (ns, pool) -> BMC names
         self._pools: dict[Key, str] = {}  # (ns, BMC) -> its pool
-        self._pool_agents: set[Key] = set()  # (ns, name) of the pools' Deployments
         selector = f"{MANAGED_BY}={MANAGER}"
         self.bmcs = Informer(api, BMCS, namespace=namespace, transform=without_managed_fields)
         self.vms = Informer(api, VMS, namespace=namespace, keep=self._vm_wanted, transform=slim_vm)
@@ -249,13 +264,6 @@ class Caches:
             names = list(self._by_pool.get((namespace, pool), ()))
         return [b for b in (self.bmcs.get(namespace, n) for n in names) if b is not None]
 
-    def pool_deployments(self, namespace: str) -> list[Obj]:
-        """The namespace's pool agents (a few: one per pool)."""
-        informer = self.children["Deployment"]
-        with self._lock:
-            names = [name for ns, name in self._pool_agents if ns == namespace]
-        return [d for d in (informer.get(namespace, n) for n in names) if d is not None]
-
     def agents(self) -> list[Obj]:
         """Every agent Deployment, dedicated and pooled: the fleet a rollout goes through."""
         return [d for d in self.children["Deployment"].list() if is_agent(d)]
@@ -277,7 +285,7 @@ class Caches:
     def _on_bmc(self, old: Obj | None, new: Obj | None) -> None:
         obj = new or old
         assert obj is not None
-        if not changed(old, new, ignore=("status",)):
+        if not changed(old, new, ignore=("status",)) and _agent_report(old) == _agent_report(new):
             return  # its status (ours, or the agent's boot record): nothing to reconcile
         meta = obj["metadata"]
         ns, name = meta["namespace"], meta["name"]
@@ -313,8 +321,10 @@ class Caches:
         for vm in {r[0] for r in (before, after) if r is not None}:
             for other in self.bmcs_for_vm(ns, vm):
                 self.enqueue((ns, other["metadata"]["name"]))
-        # A pool's agent serves every member: one joining or leaving changes what the others apply.
+        # A pool's agent serves every member: one joining or leaving changes the pool's objects and what the others
+        # apply (a slot freed).
         for pool in pools - {""}:
+            self.enqueue(PoolKey(ns, pool))
             for other in self.bmcs_in_pool(ns, pool):
                 self.enqueue((ns, other["metadata"]["name"]))
 
@@ -337,13 +347,6 @@ class Caches:
         self._on_child(old, new)
 
     def _on_deployment(self, old: Obj | None, new: Obj | None) -> None:
-        meta = (new or old or {}).get("metadata") or {}
-        key = (meta.get("namespace", ""), meta.get("name", ""))
-        with self._lock:
-            if new is not None and POOL_LABEL in (meta.get("labels") or {}):
-                self._pool_agents.add(key)
-            else:
-                self._pool_agents.discard(key)
         if is_agent(new or old) and changed(old, new):
             self.enqueue(FLEET)
 
@@ -352,6 +355,9 @@ class Caches:
         if obj is None or not changed(old, new):
             return
         meta = obj.get("metadata") or {}
+        pool = str((meta.get("labels") or {}).get(POOL_LABEL) or "")
+        if pool and meta.get("name") == pool_name(pool):  # one of a pool's own objects
+            self.enqueue(PoolKey(meta.get("namespace", ""), pool))
         owners = {r.get("name") for r in meta.get("ownerReferences") or [] if r.get("kind") == KIND}
         label = (meta.get("labels") or {}).get(OWNER_LABEL)
         for name in owners | ({label} if label else set()):

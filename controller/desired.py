@@ -394,9 +394,27 @@ def pool_owner_reference(bmc: Obj) -> Obj:
     return {**owner_reference(bmc), "controller": False}
 
 
-def _pool_meta(namespace: str, pool: str, members: list[Obj]) -> Obj:
-    return {"name": pool_name(pool), "namespace": namespace, "labels": pool_labels(pool),
-            "ownerReferences": [pool_owner_reference(b) for b in sorted(members, key=lambda b: b["metadata"]["name"])]}
+def pool_owner_references(have: list[Obj], members: list[Obj], left: set[str]) -> list[Obj]:
+    """The ownerReferences of a pool's object: the ones it has, in their order, less those of BMCs known to have
+    left the pool (`left`: uids of live BMCs that name another pool or none), then one for each member not among
+    them yet (by name).
+
+    A reference is never dropped because the cache no longer shows its BMC: that BMC was deleted, and
+    kube-controller-manager's garbage collector removes the dangling reference itself (a patch by uid,
+    pkg/controller/garbagecollector attemptToDeleteItem) or deletes the object when no owner is left. A controller
+    that rewrote the list from its cache's members raced that patch: each side removed what the other kept, and
+    the object could end with no owner at all, never collected (issue 21). A pool with no member left is deleted
+    by the controller itself (reconciler.reconcile_pool)."""
+    out = [ref for ref in have if ref.get("uid") not in left]
+    known = {ref.get("uid") for ref in out}
+    for bmc in sorted(members, key=lambda b: b["metadata"]["name"]):
+        if bmc["metadata"]["uid"] not in known:
+            out.append(pool_owner_reference(bmc))
+    return out
+
+
+def _pool_meta(namespace: str, pool: str, owners: list[Obj]) -> Obj:
+    return {"name": pool_name(pool), "namespace": namespace, "labels": pool_labels(pool), "ownerReferences": owners}
 
 
 def desired_member_service(bmc: Obj, vm: str, pool: str, slot: int, default_type: str = "ClusterIP") -> Obj:
@@ -409,11 +427,11 @@ def desired_member_service(bmc: Obj, vm: str, pool: str, slot: int, default_type
     return service
 
 
-def desired_pool_service_account(namespace: str, pool: str, members: list[Obj]) -> Obj:
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _pool_meta(namespace, pool, members)}
+def desired_pool_service_account(namespace: str, pool: str, owners: list[Obj]) -> Obj:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _pool_meta(namespace, pool, owners)}
 
 
-def desired_pool_role(namespace: str, pool: str, members: list[Obj],
+def desired_pool_role(namespace: str, pool: str, owners: list[Obj],
                       served: Sequence[tuple[Obj, str, list[str]] | tuple[Obj, str, list[str], Obj | None]]) -> Obj:
     """The union of the served members' Roles (`desired_role`: their VMs, VMIs, VirtualMachineBMCs, Secrets and
     DataVolumes by name), and the pool's own Secret: exactly what the members' agents would hold."""
@@ -432,13 +450,13 @@ def desired_pool_role(namespace: str, pool: str, members: list[Obj],
     rules += [{"apiGroups": list(groups), "resources": list(resources), "resourceNames": sorted(names),
                "verbs": list(verbs)} for (groups, resources, verbs), names in sorted(named.items())]
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": _pool_meta(namespace, pool, members), "rules": rules + unnamed}
+            "metadata": _pool_meta(namespace, pool, owners), "rules": rules + unnamed}
 
 
-def desired_pool_role_binding(namespace: str, pool: str, members: list[Obj]) -> Obj:
+def desired_pool_role_binding(namespace: str, pool: str, owners: list[Obj]) -> Obj:
     name = pool_name(pool)
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": _pool_meta(namespace, pool, members),
+            "metadata": _pool_meta(namespace, pool, owners),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]}
 
@@ -464,15 +482,15 @@ def _b64text(value: Any) -> str:
         return ""
 
 
-def desired_pool_secret(namespace: str, pool: str, members: list[Obj], entries: list[Obj]) -> Obj:
+def desired_pool_secret(namespace: str, pool: str, owners: list[Obj], entries: list[Obj]) -> Obj:
     """The pool's membership, read by its agent through a watch: adding or removing a member changes this
     Secret, never the pod template, so the agent restarts for nobody."""
     config = json.dumps({"members": sorted(entries, key=lambda e: e["name"])}, sort_keys=True, separators=(",", ":"))
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": _pool_meta(namespace, pool, members), "type": "Opaque",
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _pool_meta(namespace, pool, owners), "type": "Opaque",
             "data": {POOL_CONFIG_KEY: base64.b64encode(config.encode()).decode()}}
 
 
-def desired_pool_deployment(namespace: str, pool: str, members: list[Obj], settings: Settings) -> Obj:
+def desired_pool_deployment(namespace: str, pool: str, owners: list[Obj], settings: Settings) -> Obj:
     """The pool's agent: one process for every member, configured by the pool's Secret (nothing about the
     members is in the pod template)."""
     name = pool_name(pool)
@@ -481,7 +499,7 @@ def desired_pool_deployment(namespace: str, pool: str, members: list[Obj], setti
             "--log-level", settings.agent_log_level]
     ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
     container = _agent_container(settings, args, ports, [], [], {"cpu": "50m", "memory": "128Mi"}, "1Gi")
-    return _agent_deployment(_pool_meta(namespace, pool, members), pool_selector(pool), pool_labels(pool), {},
+    return _agent_deployment(_pool_meta(namespace, pool, owners), pool_selector(pool), pool_labels(pool), {},
                              name, settings, container, [])
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from . import certificates, desired, metrics, rollout
-from .caches import BMCS, CHILD_KINDS, FLEET, Caches, pool_of
+from . import certificates, desired, metrics, rollout, verdicts
+from .caches import BMCS, CHILD_KINDS, FLEET, REPLICA_SETS, Caches, PoolKey, pool_of
 from .events import EventRecorder
 from .informer import Key
 from .kubeapi import APPLY, MERGE_PATCH, ApiError, KubeApi
@@ -34,6 +34,7 @@ from .status import (
     Observed,
     desired_status,
     load_balancer_address,
+    not_serving,
     progress_only,
     status_patch,
     transitions,
@@ -165,6 +166,9 @@ class Reconciler:
         self._fleet_version = 0
         self._fleet_plan: tuple[int, rollout.Plan] | None = None
         self._fleet_phase: tuple[str, Key | None] | None = None  # what the last fleet pass woke everyone for
+        # Whether a ProgressDeadlineExceeded verdict belongs to the Deployment's current template, by (namespace,
+        # Deployment, its generation, the ReplicaSet named): one GET of that ReplicaSet per verdict (verdicts.py).
+        self._verdicts: dict[tuple[str, str, int, str], bool] = {}
         # One member's reconcile at a time computes and applies a pool's objects.
         self._pool_locks: dict[Key, threading.Lock] = {}
         for kind, informer in (("VirtualMachineBMC", caches.bmcs), *caches.children.items()):
@@ -207,7 +211,9 @@ class Reconciler:
 
     # ---- the loop
 
-    def reconcile(self, key: Key) -> Result:
+    def reconcile(self, key: Key | PoolKey) -> Result:
+        if isinstance(key, PoolKey):
+            return self.reconcile_pool(key)
         if key == FLEET:
             return self.reconcile_fleet()
         namespace, name = key
@@ -245,7 +251,6 @@ class Reconciler:
         created: list[str] = []  # one Event names every child this pass created, even if a later write fails
         pool = spec.agent_pool or ""
         try:
-            self._leave_pools(bmc, pool)
             if pool:
                 service, deployment, up_to_date = self._apply_pooled(bmc, spec, vm, problem or tls_problem, created)
             else:
@@ -265,8 +270,10 @@ class Reconciler:
         result = self._write_status(bmc, Observed(vm_found=vm is not None, credentials_problem=problem,
                                                   tls_problem=tls_problem, cluster_ip=_cluster_ip(service),
                                                   external=load_balancer_address(service),
-                                                  deployment=deployment, certificate=certificate, pool=pool,
-                                                  up_to_date=up_to_date))
+                                                  deployment=None if deployment is None else self._judged(deployment),
+                                                  certificate=certificate, pool=pool,
+                                                  up_to_date=up_to_date,
+                                                  not_serving=not_serving(bmc) if pool else ""))
         return self._until_renewal(result, certificate)
 
     def _apply_children(self, bmc: Obj, spec: BMCSpec, vm: Obj | None, secret: Obj | None,
@@ -302,26 +309,29 @@ class Reconciler:
 
     def _apply_pooled(self, bmc: Obj, spec: BMCSpec, vm: Obj | None, problem: tuple[str, str] | None,
                       created: list[str]) -> tuple[Obj | None, Obj | None, tuple[bool, str, str] | None]:
-        """A member's own children (its Service, Secrets) and the pool's objects. Returns (its Service, None when
-        the pool has no place for it; the pool's agent when it serves this BMC; AgentUpToDate)."""
+        """A member's own children (its Service, Secrets); the pool's objects are the pool's own reconcile
+        (`reconcile_pool`), woken here. Returns (its Service, None when the pool has no place for it; the pool's
+        agent when it serves this BMC; AgentUpToDate)."""
         namespace, name, vm_name = bmc["metadata"]["namespace"], bmc["metadata"]["name"], spec.virtual_machine_ref.name
         pool = spec.agent_pool or ""
-        with self._pool_lock(namespace, pool):
-            plan = self._pool_plan(namespace, pool)
-            slot = plan.slots.get(name)
-            if slot is None:
-                return None, None, None
-            service = self._apply(bmc, desired.desired_member_service(
-                bmc, vm_name, pool, slot, self.settings.default_service_type), created)
-            if spec.redfish.enabled:
-                self._apply(bmc, desired.desired_events_secret(bmc, vm_name), created)
-                if vm is not None and problem is None and not spec.redfish.tls.secret_ref:
-                    self._tls_secret(bmc, vm_name, service, created)
-            deployment, up_to_date = self._apply_pool(bmc, namespace, pool, plan, created)
+        with self._pool_lock(namespace, pool):  # two newcomers must not take the same free slot
+            slot = self._pool_plan(namespace, pool).slots.get(name)
+            if slot is not None:
+                service = self._apply(bmc, desired.desired_member_service(
+                    bmc, vm_name, pool, slot, self.settings.default_service_type), created)
+                if spec.redfish.enabled:
+                    self._apply(bmc, desired.desired_events_secret(bmc, vm_name), created)
+                    if vm is not None and problem is None and not spec.redfish.tls.secret_ref:
+                        self._tls_secret(bmc, vm_name, service, created)
+        self.caches.enqueue(PoolKey(namespace, pool))
+        if slot is None:
+            return None, None, None
         for kind in ("Deployment", "RoleBinding", "Role", "ServiceAccount"):  # a dedicated agent's, if any
             self._remove_child(bmc, kind, desired.child_name(vm_name), f"served by agent pool {pool}")
-        serves = any(member["metadata"]["name"] == name for member, *_ in plan.served)
-        return service, deployment if serves else None, up_to_date if serves else None
+        if not any(member["metadata"]["name"] == name for member, *_ in self._pool_plan(namespace, pool).served):
+            return service, None, None
+        agent = desired.pool_name(pool)
+        return service, self._cached("Deployment", namespace, agent), self._agent_state(namespace, agent)
 
     def _pool_lock(self, namespace: str, pool: str) -> threading.Lock:
         with self._lock:
@@ -365,15 +375,49 @@ class Reconciler:
                     or desired.credentials_problem(spec, secret) is not None
                     or (spec.redfish.enabled and tls_ref and self._tls_problem(namespace, tls_ref.name))):
                 continue
+            if spec.redfish.enabled and not tls_ref and self._cached(
+                    "Secret", namespace, desired.tls_secret_name(vm)) is None:
+                continue  # its certificate first: an entry that gained one later would restart the member
             assert secret is not None
             served.append((b, vm, secret, slots[name]))
         return PoolPlan(owners=owners, slots=slots, served=served)
 
-    def _apply_pool(self, actor: Obj, namespace: str, pool: str, plan: PoolPlan,
-                    created: list[str]) -> tuple[Obj | None, tuple[bool, str, str] | None]:
+    def reconcile_pool(self, key: PoolKey) -> Result:
+        """A pool's own objects (ServiceAccount, Role, RoleBinding, Secret, Deployment), applied for the members
+        the cache shows, or deleted once no member is left: whatever order the members went in, and whether this
+        controller saw them go (after a restart, the objects' own events wake this key)."""
+        namespace, pool = key.namespace, key.pool
+        created: list[str] = []
+        with self._pool_lock(namespace, pool):
+            plan = self._pool_plan(namespace, pool)
+            if not plan.owners:
+                for kind in ("Deployment", "Secret", "RoleBinding", "Role", "ServiceAccount"):
+                    self._delete(namespace, kind, desired.pool_name(pool), f"agent pool {pool} has no member left")
+                return Result()
+            actor = min(plan.owners, key=lambda b: (str(b["metadata"].get("creationTimestamp") or ""),
+                                                    b["metadata"]["name"]))
+            try:
+                self._apply_pool(actor, namespace, pool, plan, created)
+            finally:
+                if created:
+                    self.recorder.event(actor, "Normal", "Created", "created " + ", ".join(created))
+        return Result()
+
+    def _pool_owners(self, namespace: str, pool: str, kind: str, plan: PoolPlan) -> list[Obj]:
+        """The ownerReferences of one of the pool's objects (desired.pool_owner_references): a reference goes only
+        when its BMC is alive and names another pool, or none."""
+        have = ((self._cached(kind, namespace, desired.pool_name(pool)) or {}).get("metadata") or {}).get(
+            "ownerReferences") or []
+        left = set()
+        for ref in have:
+            bmc = self.caches.bmcs.get(namespace, str(ref.get("name") or ""))
+            if bmc is not None and bmc["metadata"].get("uid") == ref.get("uid") and pool_of(bmc) != pool:
+                left.add(str(ref.get("uid")))
+        return desired.pool_owner_references(have, plan.owners, left)
+
+    def _apply_pool(self, actor: Obj, namespace: str, pool: str, plan: PoolPlan, created: list[str]) -> None:
         """The pool's ServiceAccount, Role (its members' objects by name), RoleBinding, Secret (its members) and
         Deployment, in that order: the agent may read a member's objects before it learns of the member."""
-        owners = plan.owners
         entries, grants = [], []
         for member, vm, secret, slot in plan.served:
             spec = BMCSpec.of(member)
@@ -385,31 +429,18 @@ class Reconciler:
             entries.append(desired.pool_member(member, vm, slot, secret, tls))
             vm_obj = self.caches.vms.get(namespace, vm)
             grants.append((member, vm, desired.cdrom_disks(vm_obj), vm_obj))
-        self._apply(actor, desired.desired_pool_service_account(namespace, pool, owners), created)
-        self._apply(actor, desired.desired_pool_role(namespace, pool, owners, grants), created)
-        self._apply(actor, desired.desired_pool_role_binding(namespace, pool, owners), created)
-        self._apply(actor, desired.desired_pool_secret(namespace, pool, owners, entries), created)
-        return self._apply_agent(
-            actor, desired.pool_name(pool),
-            lambda settings: desired.desired_pool_deployment(namespace, pool, owners, settings), created)
 
-    def _leave_pools(self, bmc: Obj, pool: str) -> None:
-        """Pools this BMC owns objects of but no longer names (it went dedicated, or to another pool): applied
-        again without it, or deleted when it was their last member."""
-        namespace, uid = bmc["metadata"]["namespace"], bmc["metadata"]["uid"]
-        for deployment in self.caches.pool_deployments(namespace):
-            labels = deployment["metadata"].get("labels") or {}
-            other = str(labels.get(desired.POOL_LABEL) or "")
-            if other == pool or uid not in {r.get("uid") for r in deployment["metadata"].get("ownerReferences") or []}:
-                continue
-            with self._pool_lock(namespace, other):
-                plan = self._pool_plan(namespace, other)
-                if plan.owners:
-                    self._apply_pool(bmc, namespace, other, plan, [])
-                    continue
-                for kind in ("Deployment", "Secret", "RoleBinding", "Role", "ServiceAccount"):
-                    self._remove_child(bmc, kind, desired.pool_name(other),
-                                       f"agent pool {other} has no member left", owned=False)
+        def owners(kind: str) -> list[Obj]:
+            return self._pool_owners(namespace, pool, kind, plan)
+
+        self._apply(actor, desired.desired_pool_service_account(namespace, pool, owners("ServiceAccount")), created)
+        self._apply(actor, desired.desired_pool_role(namespace, pool, owners("Role"), grants), created)
+        self._apply(actor, desired.desired_pool_role_binding(namespace, pool, owners("RoleBinding")), created)
+        self._apply(actor, desired.desired_pool_secret(namespace, pool, owners("Secret"), entries), created)
+        deployment_owners = owners("Deployment")
+        self._apply_agent(
+            actor, desired.pool_name(pool),
+            lambda settings: desired.desired_pool_deployment(namespace, pool, deployment_owners, settings), created)
 
     # ---- the fleet's rollout
 
@@ -424,11 +455,19 @@ class Reconciler:
         for w in written:
             if _rv(w) > _rv(agents.get(rollout.key_of(w))):
                 agents[rollout.key_of(w)] = w
-        plan = rollout.plan(agents.values(), self.settings)
+        plan = rollout.plan((self._judged(d) for d in agents.values()), self.settings)
         with self._lock:
             if self._fleet_version == version:
                 self._fleet_plan = (version, plan)
         return plan
+
+    def _agent_state(self, namespace: str, name: str) -> tuple[bool, str, str]:
+        """AgentUpToDate of the agent Deployment `name`: at the fleet's revision, or its place in the rollout."""
+        have = self._cached("Deployment", namespace, name)
+        target = rollout.revision(self.settings)
+        if have is not None and rollout.revision_of(have) != target:
+            return self._plan().state((namespace, name))
+        return rollout.up_to_date(target, self.settings.agent_image)
 
     def _apply_agent(self, bmc: Obj, name: str, render: Callable[[Settings], Obj],
                      created: list[str]) -> tuple[Obj | None, tuple[bool, str, str]]:
@@ -438,12 +477,10 @@ class Reconciler:
         namespace = bmc["metadata"]["namespace"]
         have = self._cached("Deployment", namespace, name)
         settings: Settings | None = self.settings
-        target = rollout.revision(self.settings)
-        state = rollout.up_to_date(target, self.settings.agent_image)
-        if have is not None and rollout.revision_of(have) != target:
-            state = self._plan().state((namespace, name))
-            if not state[0]:
-                settings = rollout.running_settings(self.settings, have)
+        state = self._agent_state(namespace, name)
+        if not state[0]:
+            assert have is not None
+            settings = rollout.running_settings(self.settings, have)
         if settings is None:
             return have, state
         return self._apply(bmc, render(settings), created), state
@@ -470,6 +507,34 @@ class Reconciler:
                 if ref.get("kind") == desired.KIND:
                     self.caches.enqueue((namespace, str(ref.get("name"))))
         return Result()
+
+    def _judged(self, deployment: Obj) -> Obj:
+        """`deployment` without a ProgressDeadlineExceeded verdict that was about an older template: the
+        deployment controller keeps it until the new ReplicaSet progresses (verdicts.py). The ReplicaSet the
+        verdict names is read once per verdict; a verdict that names none is the template's own."""
+        rs_name = verdicts.timed_out_replicaset(deployment)
+        if not rs_name:
+            return deployment
+        meta = deployment["metadata"]
+        key = (meta["namespace"], meta["name"], int(meta.get("generation") or 0), rs_name)
+        with self._lock:
+            current = self._verdicts.get(key)
+        if current is None:
+            try:
+                replicaset: Obj | None = self.api.request("GET", f"{REPLICA_SETS.path(key[0])}/{rs_name}")
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise  # retried: until then no verdict either way
+                replicaset = None
+            current = verdicts.runs_template(deployment, replicaset)
+            with self._lock:
+                if len(self._verdicts) > 10_000:  # verdicts of Deployments long gone or changed
+                    self._verdicts.clear()
+                self._verdicts[key] = current
+            if not current:
+                log.info("Deployment %s/%s: ignoring ProgressDeadlineExceeded of ReplicaSet %s, which does not run "
+                         "its current template", key[0], key[1], rs_name)
+        return deployment if current else verdicts.without_progress_verdict(deployment)
 
     # ---- decisions that read the caches
 
@@ -589,12 +654,22 @@ class Reconciler:
             return result
         return Result(requeue_after=min(wait, result.requeue_after) if result.requeue_after else wait)
 
-    def _remove_child(self, bmc: Obj, kind: str, name: str, why: str, owned: bool = True) -> None:
-        """Delete a child this BMC controls (`owned`), or a pool's object, if the cache has it."""
-        namespace = bmc["metadata"]["namespace"]
-        have = self.caches.children[kind].get(namespace, name)
-        if have is None or (owned and _controller_uid(have) != bmc["metadata"]["uid"]):
+    def _remove_child(self, bmc: Obj, kind: str, name: str, why: str) -> None:
+        """Delete a child this BMC controls, if the cache has it."""
+        have = self.caches.children[kind].get(bmc["metadata"]["namespace"], name)
+        if have is None or _controller_uid(have) != bmc["metadata"]["uid"] or not self._delete(
+                bmc["metadata"]["namespace"], kind, name, why):
             return
+        if kind == "Deployment":
+            self.recorder.event(bmc, "Normal", "AgentRemoved", f"deleted Deployment {name}: {why}")
+        else:
+            self.recorder.event(bmc, "Normal", "Deleted", f"deleted {kind} {name}: {why}")
+
+    def _delete(self, namespace: str, kind: str, name: str, why: str) -> bool:
+        """Delete the object the cache has by that name (that uid only); False when there was none to delete."""
+        have = self.caches.children[kind].get(namespace, name)
+        if have is None:
+            return False
         try:
             self.api.request("DELETE", f"{CHILD_KINDS[kind].path(namespace)}/{name}", {
                 "apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background",
@@ -602,11 +677,9 @@ class Reconciler:
         except ApiError as exc:
             if exc.status not in (404, 409):
                 raise
-            return
-        if kind == "Deployment":
-            self.recorder.event(bmc, "Normal", "AgentRemoved", f"deleted Deployment {name}: {why}")
-        else:
-            self.recorder.event(bmc, "Normal", "Deleted", f"deleted {kind} {name}: {why}")
+            return False
+        log.info("deleted %s %s/%s: %s", kind, namespace, name, why)
+        return True
 
     def _write_status(self, bmc: Obj, observed: Observed) -> Result:
         meta = bmc["metadata"]

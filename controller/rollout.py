@@ -124,6 +124,8 @@ def plan(deployments: Iterable[Obj], settings: Settings) -> Plan:
     allowed: frozenset[Key] = frozenset()
     if not halted and not in_flight:
         allowed = frozenset(order[:batch_size(settings.rollout_batch, len(agents)) if updated_ready else 1])
-    first = min(halted) if halted else (None, "")
+    # A rollout halts only when it holds outdated agents back: a broken agent at the target revision with nothing
+    # left to update is that BMC's Ready=False (status.py), not the fleet's halt.
+    first = min(halted) if halted and order else (None, "")
     return Plan(target=target, image=settings.agent_image, total=len(agents), outdated=order, allowed=allowed,
                 halted_by=first[0], halted_why=first[1])

@@ -17,7 +17,7 @@ from kubernetes import client
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import metrics
-from .caches import BMCS, Caches
+from .caches import BMCS, Caches, PoolKey
 from .events import EventRecorder
 from .informer import Key
 from .kubeapi import ApiError, KubeApi, connect
@@ -104,7 +104,7 @@ class Manager:
             item = self.queue.get()
             if item is None:
                 return
-            key: Key = item  # type: ignore[assignment]
+            key: Key | PoolKey = item  # type: ignore[assignment]
             began = time.monotonic()
             try:
                 result = self.reconciler.reconcile(key)
@@ -113,7 +113,7 @@ class Manager:
                 metrics.reconciles.labels("error").inc()
                 delay = self.queue.add_rate_limited(key)
                 level = logging.WARNING if isinstance(exc, ApiError) else logging.ERROR
-                log.log(level, "reconcile %s/%s failed (retry in %.2fs): %s", *key, delay, exc,
+                log.log(level, "reconcile %s failed (retry in %.2fs): %s", _shown(key), delay, exc,
                         exc_info=not isinstance(exc, ApiError))
             else:
                 self.queue.forget(key)
@@ -148,6 +148,10 @@ class Manager:
         """Hand the Lease back on a clean stop, so a standby takes over at once instead of after it expires."""
         if self.elector is not None and self.elector.release():
             metrics.leader.set(0)
+
+
+def _shown(key: Key | PoolKey) -> str:
+    return f"pool {key.namespace}/{key.pool}" if isinstance(key, PoolKey) else "/".join(key)
 
 
 def wait_for_crd(api: KubeApi, stop: threading.Event, timeout: float = CRD_WAIT_SECONDS) -> bool:

@@ -15,7 +15,8 @@ Obj = dict[str, Any]
 READY, VM_AVAILABLE, SECRET_AVAILABLE, AGENT_READY = "Ready", "VirtualMachineAvailable", "SecretAvailable", "AgentReady"
 AGENT_UP_TO_DATE = "AgentUpToDate"
 CONDITION_ORDER = (READY, VM_AVAILABLE, SECRET_AVAILABLE, AGENT_READY, AGENT_UP_TO_DATE)
-OWNED_KEYS = ("observedGeneration", "clusterIP", "endpoints", "conditions", "redfish")  # bootOverride: the agent's
+# bootOverride and agent (a pool member's own readiness): the agent's
+OWNED_KEYS = ("observedGeneration", "clusterIP", "endpoints", "conditions", "redfish")
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,20 @@ class Observed:
     pool: str = ""  # spec.agentPool: the pool's agent serves this BMC
     pool_full: bool = False  # the pool has no free place for it
     up_to_date: tuple[bool, str, str] | None = None  # AgentUpToDate (controller/rollout.py), with an agent
+    not_serving: str = ""  # a pool's agent reports this member cannot serve (status.agent): why
 
 
 # Reasons for Ready=False while the agent rolls out normally (no Event: not a problem).
 IN_PROGRESS = frozenset({"AgentProgressing", "AgentNotReady", "ServicePending"})
+
+
+def not_serving(bmc: Obj) -> str:
+    """Why a pool's agent reports this member cannot serve (status.agent, written by the agent), "" when it
+    serves or did not say."""
+    report = (bmc.get("status") or {}).get("agent") or {}
+    if report.get("serving") is False:
+        return str(report.get("message") or "the pool's agent reports this member cannot serve")
+    return ""
 
 
 def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]:
@@ -76,6 +87,9 @@ def conditions_of(spec: BMCSpec, observed: Observed, vm: str) -> list[Condition]
                           "Secret are available")
     else:
         agent = Condition(AGENT_READY, *agent_readiness(observed.deployment))
+        if observed.pool and agent.status and observed.not_serving:
+            # The pool's pod is ready (the others serve); this member is not.
+            agent = Condition(AGENT_READY, False, "MemberNotServing", observed.not_serving)
         if observed.pool:
             agent = Condition(AGENT_READY, agent.status, agent.reason,
                               f"agent pool {observed.pool} ({desired.pool_name(observed.pool)}): {agent.message}")

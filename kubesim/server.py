@@ -98,9 +98,34 @@ class ApiServer:
         # pods/log: the kubelet's captured output of a container, by (namespace, pod, pod uid, container).
         self.container_logs: Callable[[str, str, str, str], podlogs.ContainerLog | None] | None = None
         self.requests = 0
+        # apiserver_request_total: requests by (verb, group, version, resource, subresource, scope, code).
+        self.request_counts: dict[tuple[str, ...], int] = {}
+        self._counts_lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+
+    def count_request(self, labels: tuple[str, ...]) -> None:
+        with self._counts_lock:
+            self.request_counts[labels] = self.request_counts.get(labels, 0) + 1
+
+    def metrics(self) -> bytes:
+        """kube-apiserver's apiserver_request_total, in its Prometheus text format and with its labels (a request is
+        counted when it ends, a watch too), so that whatever counts what clients cost a real API server counts
+        them here alike. component is "apiserver" for resource requests, "" for the others (whose path is their
+        subresource); system_client names kube-apiserver's own components, never a kubesim client. Observed on
+        kube-apiserver v1.36 (tests/sim/test_api.py)."""
+        with self._counts_lock:
+            counts = sorted(self.request_counts.items())
+        lines = ["# HELP apiserver_request_total [STABLE] Counter of apiserver requests broken out for each verb, "
+                 "dry run value, group, version, resource, scope, component, and HTTP response code.",
+                 "# TYPE apiserver_request_total counter"]
+        for (verb, group, version, resource, subresource, scope, code), count in counts:
+            component = "apiserver" if resource else ""
+            lines.append(f'apiserver_request_total{{code="{code}",component="{component}",dry_run="",group="{group}",'
+                         f'resource="{resource}",scope="{scope}",subresource="{subresource}",system_client="",'
+                         f'verb="{verb}",version="{version}"}} {count}')
+        return ("\n".join(lines) + "\n").encode()
 
     def add_subresource_api(self, api: SubresourceAPI) -> None:
         self.subresource_apis[(api.group, api.version)] = api
@@ -412,16 +437,52 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- plumbing
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._code = code
+        super().send_response(code, message)
+
     def _serve(self, method: str) -> None:
         self.api.requests += 1
         url = urlsplit(self.path)
         self.query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
         self.warnings: list[str] = []
+        self._code = 0
+        # verb, group, version, resource, subresource, scope. Of the requests that name no resource, kube-apiserver
+        # v1.36 counts its health checks (by path), not /metrics, /version, discovery or OpenAPI.
+        health = url.path in ("/healthz", "/readyz", "/livez")
+        self._request_labels: tuple[str, ...] | None = (method, "", "", "", url.path, "") if health else None
+        try:
+            self._serve_counted(method, url.path)
+        finally:
+            if self._code and self._request_labels is not None:
+                self.api.count_request((*self._request_labels, str(self._code)))
+
+    def _counted_as(self, method: str, group: str, version: str, resource: str, subresource: str, namespace: str,
+                    name: str, watch: bool, custom: bool = False) -> None:
+        """The labels kube-apiserver's request metrics give this request. A built-in kind's are its route's
+        (endpoints/installer.go: a list or watch is of its namespace, or the cluster); a custom resource's come
+        from the request (apiextensions-apiserver: metrics.CleanScope and CanonicalVerb), where a list or watch
+        whose field selector requires metadata.name names that object (request.RequestInfoFactory), so a LIST of
+        one object by name is a GET of scope "resource". A create is of scope "resource" in both. Observed on
+        kube-apiserver v1.36."""
+        if method == "GET" and not name and custom:
+            name = selected_name(self.query.get("fieldSelector")) or ""
+        scope = "resource" if name or method == "POST" else "namespace" if namespace else "cluster"
+        verb = method
+        if method == "GET":
+            verb = "WATCH" if watch else "GET" if scope == "resource" else "LIST"
+        elif method == "PATCH" and self.fields.get("Content-Type", "").startswith("application/apply-patch"):
+            verb = "APPLY"
+        elif method == "DELETE" and not name:
+            verb = "DELETECOLLECTION"
+        self._request_labels = (verb, group, version, resource, subresource, scope)
+
+    def _serve_counted(self, method: str, url_path: str) -> None:
         try:
             body = self._read_body()
-            if url.path not in OPEN_PATHS:
+            if url_path not in OPEN_PATHS:
                 self._authenticate()
-            self._route(method, url.path.rstrip("/") or "/", body)
+            self._route(method, url_path.rstrip("/") or "/", body)
         except errors.ApiError as exc:
             self._send_json(exc.code, exc.status(), exc.headers)
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
@@ -512,6 +573,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path == "/version":
             return self._send_json(200, KUBE_VERSION)
+        if path == "/metrics":
+            data = api.metrics()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self._end_with(data)
+            return
         if path == "/api":
             host = self.fields.get("Host", "")
             return self._send_json(200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs":
@@ -554,6 +622,8 @@ class _Handler(BaseHTTPRequestHandler):
         resource = rest[0] if rest else ""
         name = rest[1] if len(rest) > 1 else ""
         sub = "/".join(rest[2:])
+        watching = watch or (method == "GET" and self.query.get("watch") in ("true", "1", "True"))
+        self._counted_as(method, group, version, resource, sub, namespace, name, watching)
         sub_api = api.subresource_apis.get((group, version))
         if sub_api is not None:
             stream = sub_api.stream(resource, sub) if namespace and name else None
@@ -569,6 +639,8 @@ class _Handler(BaseHTTPRequestHandler):
         rtype = api.store.find_type(group, resource)
         if rtype is None or version not in rtype.served_versions or (bool(namespace) and not rtype.namespaced):
             raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        if rtype.schema is not None:
+            self._counted_as(method, group, version, resource, sub, namespace, name, watching, custom=True)
         if rtype.key == "/pods" and sub == "log" and namespace and not watch:
             self.version, self.rtype = version, rtype
             if method != "GET":

@@ -9,6 +9,7 @@ ipmitool and Redfish.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -39,6 +40,7 @@ from vbmc.machine.kubevirt.client import (
     Unreachable,
     load_credentials,
 )
+from vbmc.machine.kubevirt.streams import watch_events
 
 from ..support.agents import PASSWORD, USER, free_port, ipmitool_at, redfish_at
 from ..support.cluster import BMC_CRD, address_ranges, call, install_bmc_crd, start_sim, wait_for
@@ -268,12 +270,20 @@ def test_a_token_file_that_is_gone_or_empty_keeps_the_token_read_before(apiserve
     assert apiserver.seen == ["token-a", "token-a"]
 
 
+def watched(client: KubeClient) -> list[dict[str, Any]]:
+    """The events of one watch of VM_PATH, as the agent's watches read them (streams.py)."""
+    async def collect() -> list[dict[str, Any]]:
+        return [e async for e in watch_events(client, VM_PATH, {}, read_timeout=5)]
+
+    return asyncio.run(collect())
+
+
 def test_a_watch_reconnect_uses_the_rotated_token(apiserver: FakeApiServer, files: Files) -> None:
     client = client_for(apiserver, files, Clock())
-    assert [e["type"] for e in client.stream(VM_PATH, {}, read_timeout=5)] == ["ADDED"]
+    assert [e["type"] for e in watched(client)] == ["ADDED"]
     rotate(files, apiserver, "token-b", revoke_old=True)
 
-    events = list(client.stream(VM_PATH, {}, read_timeout=5))
+    events = watched(client)
 
     assert [e["type"] for e in events] == ["ADDED"]
     assert apiserver.seen == ["token-a", "token-a", "token-b"]
@@ -284,7 +294,7 @@ def test_a_watch_rejected_with_an_unchanged_token_raises_401(apiserver: FakeApiS
     apiserver.valid.clear()
 
     with pytest.raises(KubeError) as caught:
-        list(client.stream(VM_PATH, {}, read_timeout=5))
+        watched(client)
 
     assert caught.value.status == 401
     assert apiserver.seen == ["token-a"]

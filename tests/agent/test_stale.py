@@ -4,8 +4,9 @@ kubesim runs as its own process with a kube-apiserver's bookmark interval (60 s)
 in it, and the test freezes kubesim with SIGSTOP: its sockets stay open and nothing answers, like an API server
 that hangs. Within the staleness bound the agent's reads turn into IPMI 0xC0 (node busy) and Redfish 503 with
 Retry-After; after SIGCONT they answer the VM's state again. A second agent reaches kubesim through a relay that
-makes its open connections go silent (a watch dropped without a reset while the API server is fine): its probes
-notice that the watch fell behind and restart it. Real clients throughout: ipmitool and HTTP.
+makes its open connections go silent (a watch dropped without a reset while the API server is fine): the first read
+after the staleness bound confirms the cache, sees that the watch fell behind and restarts it. Real clients
+throughout: ipmitool and HTTP.
 """
 
 from __future__ import annotations
@@ -285,7 +286,7 @@ def test_a_watch_that_went_silent_is_restarted_and_the_change_it_missed_is_serve
         assert get(agent, system).body["PowerState"] == "Off"
         assert relay.stall_open_connections() > 0  # the agent's watches among them
 
-        # Started behind the agent's back: its watches never tell it, only its probes can.
+        # Started behind the agent's back: its watches never tell it, only a read's confirmation can.
         reply = call(api, "PUT", f"/apis/subresources.kubevirt.io/v1/namespaces/{namespace}/virtualmachines/vm/start",
                      {})
         assert reply.status in (200, 202), reply.body

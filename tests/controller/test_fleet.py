@@ -74,6 +74,15 @@ def all_ready(api: client.ApiClient, ns: str) -> bool:
     return len(items) == FLEET and all(condition(b, "Ready").get("status") == "True" for b in items)
 
 
+def warnings(api: client.ApiClient, ns: str) -> dict[str, int]:
+    """Warning Events by reason, counting repeats."""
+    counts: dict[str, int] = {}
+    for e in call(api, "GET", f"/api/v1/namespaces/{ns}/events").body["items"]:
+        if e.get("type") == "Warning":
+            counts[e["reason"]] = counts.get(e["reason"], 0) + int(e.get("count") or 1)
+    return counts
+
+
 def controller(sim: Any, work: Path, name: str, agent_image: str) -> ControllerProcess:
     # --agent-image comes after the ControllerProcess default, so it wins (argparse keeps the last).
     return ControllerProcess(sim.kubeconfig, work / f"{name}.log", *FLAGS, "--agent-image", agent_image)
@@ -149,6 +158,9 @@ def test_a_bad_image_updates_one_agent_halts_and_a_good_one_rolls_all_in_batches
         assert bad.stop() == 0
 
     # A corrected image resumes by itself: the broken canary first, then batches, each once the updated are ready.
+    # The canary's old verdict (ProgressDeadlineExceeded, kept by the deployment controller until the new
+    # ReplicaSet progresses) is not the new canary's: no halt, no Warning, until the new canary itself fails.
+    warnings_before = warnings(api, ns)
     good = controller(sim, work, "controller-v2", "kubevbmc:v2")
     try:
         samples = 0
@@ -158,6 +170,7 @@ def test_a_bad_image_updates_one_agent_halts_and_a_good_one_rolls_all_in_batches
             updated = [d for d in deployments if image(d) == "kubevbmc:v2"]
             updated_ready = [d for d in updated if ready(d)]
             samples += 1
+            assert good.metric("kubevbmc_controller_rollout_halted") == 0, "a halt declared on the old verdict"
             assert len(updated) - len(updated_ready) <= BATCH, [d["metadata"]["name"] for d in updated]
             if not updated_ready:
                 assert len(updated) <= 1, "more than the canary before any updated agent was ready"
@@ -175,5 +188,23 @@ def test_a_bad_image_updates_one_agent_halts_and_a_good_one_rolls_all_in_batches
                  and good.metric("kubevbmc_controller_agents_outdated") == 0, what="the metrics of a finished rollout")
         host = get_bmc(api, ns, "vm00")["status"]["clusterIP"]
         assert "Chassis Power is" in ipmitool(host, "power", "status").stdout
+        assert warnings(api, ns) == warnings_before
+
+        # An agent that breaks at the fleet's own revision (a certificate it cannot load) is its BMC's problem, not
+        # a halt: nothing is outdated, nothing held back.
+        bad_tls = {"metadata": {"name": "vm05-bad-tls"}, "type": "Opaque",
+                   "stringData": {"tls.crt": "not a certificate", "tls.key": "not a key"}}
+        assert call(api, "POST", f"/api/v1/namespaces/{ns}/secrets", bad_tls).status == 201
+        reply = call(api, "PATCH", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{ns}/virtualmachinebmcs/vm05",
+                     {"spec": {"redfish": {"tls": {"secretRef": {"name": "vm05-bad-tls"}}}}},
+                     content_type="application/merge-patch+json")
+        assert reply.status == 200, reply.body
+        wait_for(lambda: condition(get_bmc(api, ns, "vm05"), "Ready").get("reason") == "ProgressDeadlineExceeded",
+                 timeout=90, interval=0.5, what="vm05's broken agent past its deadline")
+        settle(2)
+        assert good.metric("kubevbmc_controller_rollout_halted") == 0
+        assert good.metric("kubevbmc_controller_agents_outdated") == 0
+        assert condition(get_bmc(api, ns, "vm06"), "Ready")["status"] == "True"
+        assert "is halted" not in good.log_path.read_text()
     finally:
         assert good.stop() == 0

@@ -86,6 +86,50 @@ def test_a_failed_verdict_of_an_older_generation_does_not_count() -> None:
     assert verdicts.progress_deadline_exceeded(broken) == ""
 
 
+def test_a_broken_agent_with_nothing_left_to_update_is_no_halt() -> None:
+    agents = fleet(20, NEW)
+    agents[3] = agent("vm03", NEW, ready=False, failed=True)
+    plan = rollout.plan(agents, NEW)
+    assert plan.outdated == () and plan.halted_by is None  # vm03's own Ready says it (status.py), not the fleet
+    assert plan.state(("ns", "vm03-virtbmc"))[0]
+
+
+def timed_out_on(d: Any, replicaset: str) -> Any:
+    d["status"]["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                                  "message": f'ReplicaSet "{replicaset}" has timed out progressing.'}]
+    return d
+
+
+def replicaset_of(d: Any, name: str) -> Any:
+    """The ReplicaSet the deployment controller makes of `d`'s template: a hash label, server defaults."""
+    template = json.loads(json.dumps(d["spec"]["template"]))
+    template["metadata"]["labels"]["pod-template-hash"] = name.rsplit("-", 1)[1]
+    template["spec"]["restartPolicy"] = "Always"
+    template["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    return {"metadata": {"name": name}, "spec": {"replicas": 1, "template": template}}
+
+
+def test_a_verdict_counts_only_for_the_replicaset_of_the_current_template() -> None:
+    old = agent("vm00", NEW, ready=False)
+    new = agent("vm00", dataclasses.replace(NEW, agent_image="kubevbmc:v3"), ready=False, generation=3)
+    old_rs, new_rs = replicaset_of(old, "vm00-virtbmc-5d8f7c9b4"), replicaset_of(new, "vm00-virtbmc-6c9d8e7f5")
+    # The first sync of the new template: generation observed, the verdict still the old ReplicaSet's.
+    stale = timed_out_on(new, "vm00-virtbmc-5d8f7c9b4")
+    assert verdicts.timed_out_replicaset(stale) == "vm00-virtbmc-5d8f7c9b4"
+    assert not verdicts.runs_template(stale, old_rs)
+    assert not verdicts.runs_template(stale, None)  # cleaned up since
+    assert verdicts.progress_deadline_exceeded(verdicts.without_progress_verdict(stale)) == ""
+    assert verdicts.agent_readiness(verdicts.without_progress_verdict(stale))[1] == "AgentNotReady"
+    # The new ReplicaSet's own verdict.
+    fresh = timed_out_on(agent("vm00", dataclasses.replace(NEW, agent_image="kubevbmc:v3"), ready=False,
+                               generation=3), "vm00-virtbmc-6c9d8e7f5")
+    assert verdicts.runs_template(fresh, new_rs)
+    assert verdicts.agent_readiness(fresh)[1] == "ProgressDeadlineExceeded"
+    # A verdict that names no ReplicaSet (none existed by the deadline) is the template's own.
+    fresh["status"]["conditions"][0]["message"] = 'Deployment "vm00-virtbmc" has timed out progressing.'
+    assert verdicts.timed_out_replicaset(fresh) == ""
+
+
 @pytest.mark.parametrize(("batch", "total", "size"), [("10%", 20, 2), ("10%", 5, 1), ("25%", 20, 5),
                                                       ("100%", 7, 7), ("3", 20, 3)])
 def test_batch_size(batch: str, total: int, size: int) -> None:
@@ -114,6 +158,10 @@ def member(name: str, **spec: Any) -> Any:
                      "agentPool": "lab", **spec}}
 
 
+def owned_by(*bmcs: Any) -> list[Any]:
+    return desired.pool_owner_references([], list(bmcs), set())
+
+
 def test_a_member_service_points_at_its_slot_on_the_pool_pod() -> None:
     service = desired.desired_member_service(member("vm1"), "vm1", "lab", 7)
     assert service["metadata"]["name"] == "vm1-virtbmc"
@@ -125,7 +173,7 @@ def test_a_member_service_points_at_its_slot_on_the_pool_pod() -> None:
 
 
 def test_the_pool_role_names_exactly_its_members_objects() -> None:
-    role = desired.desired_pool_role("ns", "lab", [member("a"), member("b")],
+    role = desired.desired_pool_role("ns", "lab", owned_by(member("a"), member("b")),
                                      [(member("a"), "a", ["cdrom"]), (member("b"), "b", [])])
     by_resource = {tuple(r["resources"]): r for r in role["rules"]}
     assert by_resource[("virtualmachines",)]["resourceNames"] == ["a", "b"]
@@ -146,7 +194,7 @@ def test_the_pool_secret_carries_each_members_credentials_and_certificate() -> N
     tls = {"data": {"tls.crt": base64.b64encode(b"CERT").decode(), "tls.key": base64.b64encode(b"KEY").decode()}}
     entries = [desired.pool_member(member("a"), "a", 3, creds, tls),
                desired.pool_member(member("b", redfish={"enabled": False}), "b", 4, creds, None)]
-    secret = desired.desired_pool_secret("ns", "lab", [member("a"), member("b")], entries)
+    secret = desired.desired_pool_secret("ns", "lab", owned_by(member("a"), member("b")), entries)
     config = json.loads(base64.b64decode(secret["data"][desired.POOL_CONFIG_KEY]))
     a, b = config["members"]
     assert (a["username"], a["password"], a["ipmiPort"], a["httpPort"], a["httpsPort"]) == ("u1", "p1", 20003,
@@ -156,11 +204,37 @@ def test_the_pool_secret_carries_each_members_credentials_and_certificate() -> N
 
 
 def test_the_pool_deployment_names_no_member() -> None:
-    one = desired.desired_pool_deployment("ns", "lab", [member("a")], OLD)
-    two = desired.desired_pool_deployment("ns", "lab", [member("a"), member("b")], OLD)
+    one = desired.desired_pool_deployment("ns", "lab", owned_by(member("a")), OLD)
+    two = desired.desired_pool_deployment("ns", "lab", owned_by(member("a"), member("b")), OLD)
     assert one["spec"]["template"] == two["spec"]["template"]  # a new member restarts nothing
     assert one["metadata"]["name"] == "lab-virtbmc-pool"
     assert "--pool-secret" in one["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def ref(name: str) -> Any:
+    return desired.pool_owner_reference(member(name))
+
+
+@pytest.mark.parametrize(("have", "members", "left", "want"), [
+    # A new pool: every member, by name.
+    ([], ["b", "a"], set(), ["a", "b"]),
+    # A member joins: added after the others, whose order is kept.
+    ([ref("b"), ref("a")], ["a", "b", "c"], set(), ["b", "a", "c"]),
+    # Members deleted (gone from the cache): their references stay for the garbage collector to remove by uid.
+    ([ref("a"), ref("b"), ref("c")], ["c"], set(), ["a", "b", "c"]),
+    ([ref("a"), ref("b")], [], set(), ["a", "b"]),
+    # A member that went to another pool, or to a dedicated agent, alive: its reference goes.
+    ([ref("a"), ref("b")], ["a"], {"uid-b"}, ["a"]),
+    # A BMC deleted and created again under its name: the new one is another owner (another uid).
+    ([ref("a")], [{**member("a"), "metadata": {**member("a")["metadata"], "uid": "uid-a2"}}], set(), ["a", "a"]),
+])
+def test_pool_owner_references_are_added_never_rewritten_from_the_cache(
+        have: list[Any], members: list[str | Any], left: set[str], want: list[str]) -> None:
+    bmcs = [member(m) if isinstance(m, str) else m for m in members]
+    refs = desired.pool_owner_references(have, bmcs, left)
+    assert [r["name"] for r in refs] == want
+    assert [r for r in refs if r["uid"] in {h["uid"] for h in have}] == [h for h in have if h["uid"] not in left]
+    assert not any(r["controller"] for r in refs)
 
 
 # ---- a pool's slots and members, as the reconciler plans them from its caches
@@ -181,14 +255,17 @@ class _Informer:
         return True
 
 
-def planner(members: list[Any], services: tuple[Any, ...] = (), vms: tuple[str, ...] | None = None) -> Any:
+def planner(members: list[Any], services: tuple[Any, ...] = (), vms: tuple[str, ...] | None = None,
+            certified: tuple[str, ...] | None = None) -> Any:
     from types import SimpleNamespace
 
     from controller.reconciler import Reconciler
 
     names = vms if vms is not None else tuple(m["spec"]["virtualMachineRef"]["name"] for m in members)
+    certified = certified if certified is not None else names
     secrets = _Informer([{"metadata": {"namespace": "ns", "name": f"{m['metadata']['name']}-auth"},
-                          "data": {"username": "dQ==", "password": "cA=="}} for m in members])
+                          "data": {"username": "dQ==", "password": "cA=="}} for m in members]
+                        + [{"metadata": {"namespace": "ns", "name": desired.tls_secret_name(vm)}} for vm in certified])
     children = {kind: _Informer() for kind in ("ServiceAccount", "Role", "RoleBinding", "Deployment")}
     children["Service"] = _Informer(list(services))
     children["Secret"] = secrets
@@ -239,3 +316,43 @@ def test_the_pool_serves_only_members_whose_vm_exists_and_that_do_not_conflict()
     plan = planner([first, second, lonely], vms=("shared",))._pool_plan("ns", "lab")
     assert [m["metadata"]["name"] for m, *_ in plan.served] == ["first"]  # second: Conflict; lonely: no VM
     assert set(plan.slots) == {"first", "second", "lonely"}  # each keeps a place for when it can be served
+
+
+def test_a_member_is_served_once_its_certificate_is_issued() -> None:
+    a, b = pooled("a", "2026-01-01T00:00:00Z"), pooled("b", "2026-01-02T00:00:00Z")
+    plain = pooled("plain", "2026-01-03T00:00:00Z")
+    plain["spec"]["redfish"] = {"enabled": False}
+    plan = planner([a, b, plain], certified=("a",))._pool_plan("ns", "lab")
+    # b would first join without HTTPS, then again with it: its agent would restart the member for nothing.
+    assert [m["metadata"]["name"] for m, *_ in plan.served] == ["a", "plain"]
+    assert set(plan.slots) == {"a", "b", "plain"}
+
+
+def test_the_reconciler_reads_the_replicaset_a_verdict_names_once_and_drops_a_stale_verdict() -> None:
+    from controller.kubeapi import ApiError
+
+    new = agent("vm00", dataclasses.replace(NEW, agent_image="kubevbmc:v3"), ready=False, generation=3)
+    new["metadata"]["namespace"] = "ns"
+    replicasets = {"vm00-virtbmc-5d8f7c9b4": replicaset_of(agent("vm00", NEW), "vm00-virtbmc-5d8f7c9b4"),
+                   "vm00-virtbmc-6c9d8e7f5": replicaset_of(new, "vm00-virtbmc-6c9d8e7f5")}
+    asked: list[str] = []
+
+    class Api:
+        def request(self, method: str, path: str, *_: Any, **__: Any) -> Any:
+            asked.append(path)
+            name = path.rsplit("/", 1)[1]
+            if name not in replicasets:
+                raise ApiError(404, "NotFound", "not found")
+            return replicasets[name]
+
+    reconciler = planner([])
+    reconciler.api = Api()
+    stale = timed_out_on(json.loads(json.dumps(new)), "vm00-virtbmc-5d8f7c9b4")
+    for _ in range(3):
+        assert verdicts.progress_deadline_exceeded(reconciler._judged(stale)) == ""
+    assert asked == ["/apis/apps/v1/namespaces/ns/replicasets/vm00-virtbmc-5d8f7c9b4"]
+    fresh = timed_out_on(json.loads(json.dumps(new)), "vm00-virtbmc-6c9d8e7f5")
+    assert "timed out" in verdicts.progress_deadline_exceeded(reconciler._judged(fresh))
+    gone = timed_out_on(json.loads(json.dumps(new)), "vm00-virtbmc-77777777")
+    assert verdicts.progress_deadline_exceeded(reconciler._judged(gone)) == ""
+    assert len(asked) == 3

@@ -102,6 +102,14 @@ def redfish_system(api: client.ApiClient, bmc: dict[str, Any], pw: str) -> tuple
         return exc.code, None
 
 
+def pool_log(api: client.ApiClient) -> str:
+    (pod,) = [p for p in pods(api) if p["metadata"].get("labels", {}).get("bmc.kubevirt.io/pool") == POOL]
+    reply = call(api, "GET", f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}/log",
+                 headers={"Accept": "text/plain"})
+    assert reply.status == 200
+    return str(reply.body)
+
+
 def pool_members(api: client.ApiClient) -> list[str]:
     secret = call(api, "GET", f"/api/v1/namespaces/{NS}/secrets/{POOL}-virtbmc-pool").body
     return [m["name"] for m in json.loads(base64.b64decode(secret["data"]["pool.json"]))["members"]]
@@ -135,6 +143,14 @@ def test_twenty_pooled_bmcs_are_one_pod_and_each_answers_with_its_own_credential
         assert code == 200 and system["Id"] == f"vm{i:02d}", (code, system)
         assert redfish_system(api, bmc, password((i + 1) % MEMBERS))[0] == 401
     assert len(hosts) == MEMBERS  # each its own Service address
+    # Each member started once: none joined the pool's Secret before its certificate was issued (its entry would
+    # have changed, and the agent restarted it).
+    log = pool_log(api)
+    for i in range(MEMBERS):
+        assert log.count(f"pool: member started name=vm{i:02d} ") == 1, log
+    assert "pool: member stopped" not in log
+    # At rest, each member's own readiness is on its BMC, written once.
+    assert all(b["status"].get("agent") == {"serving": True, "message": ""} for b in found.values())
 
 
 def test_members_power_states_are_their_own(pool: Any) -> None:
@@ -170,6 +186,37 @@ def test_a_twenty_first_member_restarts_nothing(pool: Any) -> None:
     assert same["metadata"]["uid"] == pod["metadata"]["uid"]
     assert all(c.get("restartCount", 0) == 0 for c in same["status"]["containerStatuses"])
     assert f"vm{MEMBERS}" in role_vms(api) and f"vm{MEMBERS}" in pool_members(api)
+
+
+def test_a_member_that_cannot_serve_is_not_ready_and_the_others_stay_ready(pool: Any) -> None:
+    api, _ = pool
+    bad = {"metadata": {"name": "vm03-bad-tls"}, "type": "Opaque",
+           "stringData": {"tls.crt": "not a certificate", "tls.key": "not a key"}}
+    assert call(api, "POST", f"/api/v1/namespaces/{NS}/secrets", bad).status == 201
+    reply = call(api, "PATCH", f"{BMCS}/vm03", {"spec": {"redfish": {"tls": {"secretRef": {"name": "vm03-bad-tls"}}}}},
+                 content_type="application/merge-patch+json")
+    assert reply.status == 200, reply.body
+    try:
+        def refused() -> dict[str, Any] | None:
+            b = bmcs(api)["vm03"]
+            return b if condition(b, "Ready").get("reason") == "MemberNotServing" else None
+
+        bmc = wait_for(refused, timeout=30, interval=0.3, what="vm03 not Ready: its certificate does not load")
+        assert bmc is not None and condition(bmc, "Ready")["status"] == "False"
+        assert "HTTPS" in condition(bmc, "Ready")["message"], condition(bmc, "Ready")
+        others = [b for n, b in bmcs(api).items() if n != "vm03" and b["spec"].get("agentPool") == POOL]
+        assert others and all(condition(b, "Ready")["status"] == "True" for b in others)
+        (pod,) = pods(api)
+        assert all(c.get("ready") for c in pod["status"]["containerStatuses"])  # the pool's pod serves the others
+        # Its IPMI still answers: only what cannot serve is down.
+        host = bmc["status"]["clusterIP"]
+        assert "Chassis Power is" in ipmitool(host, password(3), "power", "status").stdout
+    finally:
+        reply = call(api, "PATCH", f"{BMCS}/vm03", {"spec": {"redfish": {"tls": None}}},
+                     content_type="application/merge-patch+json")
+        assert reply.status == 200, reply.body
+    wait_for(lambda: condition(bmcs(api)["vm03"], "Ready").get("status") == "True", timeout=30, interval=0.3,
+             what="vm03 Ready again with its generated certificate")
 
 
 def test_a_bmc_moves_to_a_dedicated_agent_and_back(pool: Any) -> None:

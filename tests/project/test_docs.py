@@ -289,6 +289,9 @@ def observed_worlds() -> Iterator[status.Observed]:
         yield status.Observed(vm_found=True, credentials_problem=None, cluster_ip="10.0.0.1", deployment=dep,
                               pool=pool, up_to_date=up)
     yield status.Observed(vm_found=True, credentials_problem=None, pool="lab", pool_full=True)
+    # A pool member its agent reports unable to serve (status.agent).
+    yield status.Observed(vm_found=True, credentials_problem=None, cluster_ip="10.0.0.1", deployment=deployments[-1],
+                          pool="lab", not_serving="HTTPS: 127.0.0.1:40003: certificate does not load")
 
 
 def test_the_documented_conditions_and_status_of_each_reason_are_what_the_controller_produces() -> None:

@@ -24,7 +24,7 @@ from kubernetes_validate.utils import all_versions
 
 from controller import cli as controller_cli
 from controller import desired
-from controller.caches import BMCS, CHILD_KINDS, VMS
+from controller.caches import BMCS, CHILD_KINDS, REPLICA_SETS, VMS
 from controller.settings import Settings, settings_from
 
 from ..support.cluster import REPO, Sim, call, start_sim, wait_for
@@ -328,7 +328,9 @@ def test_the_cluster_role_holds_exactly_what_the_controller_and_its_agents_need(
     own: dict[tuple[str, str], set[str]] = {(BMCS.group, BMCS.plural): {"list", "watch"},
                                             (VMS.group, VMS.plural): {"list", "watch"},
                                             (BMCS.group, f"{BMCS.plural}/status"): {"patch"},
-                                            ("", "events"): {"create", "patch"}}
+                                            ("", "events"): {"create", "patch"},
+                                            # the ReplicaSet a Deployment's verdict names (reconciler._judged)
+                                            (REPLICA_SETS.group, REPLICA_SETS.plural): {"get"}}
     for kind in CHILD_KINDS.values():
         own[(kind.group, kind.plural)] = {"list", "watch", "create", "patch"}
     # Deleted: agent Deployments; a dedicated agent's ServiceAccount, Role and RoleBinding when its BMC joins a pool;

@@ -7,6 +7,7 @@ behaviours observed on a real kube-apiserver that these tests pin down).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -586,6 +587,39 @@ def test_orphan_deletion_keeps_dependents_without_the_owner_reference(api: clien
     assert not child["metadata"].get("ownerReferences")
 
 
+def test_a_dependent_that_keeps_a_live_owner_loses_the_reference_to_a_deleted_one(api: client.ApiClient,
+                                                                                    namespace: str) -> None:
+    """kube-controller-manager's garbage collector (attemptToDeleteItem: solid and dangling owners) removes the
+    dangling reference by uid and keeps the object; whatever else changed in it meanwhile stays."""
+    first, second = configmap(api, namespace, "first"), configmap(api, namespace, "second")
+    refs = [{"apiVersion": "v1", "kind": "ConfigMap", "name": o["metadata"]["name"], "uid": o["metadata"]["uid"]}
+            for o in (first, second)]
+    assert call(api, "POST", cm_path(namespace), {"metadata": {"name": "shared", "ownerReferences": refs}}).status \
+        == 201
+    call(api, "DELETE", cm_path(namespace, "first"))
+    shared = wait_for(lambda: (b := call(api, "GET", cm_path(namespace, "shared")).body)["metadata"].get(
+        "ownerReferences") == refs[1:] and b, what="the dangling reference removed")
+    assert shared["metadata"]["uid"]
+    # A reference to an owner that no longer exists, added again (a writer with a stale cache): removed again.
+    call(api, "PATCH", cm_path(namespace, "shared"), {"metadata": {"ownerReferences": refs}},
+         content_type="application/merge-patch+json")
+    wait_for(lambda: call(api, "GET", cm_path(namespace, "shared")).body["metadata"].get("ownerReferences")
+             == refs[1:], what="the re-added dangling reference removed")
+    # Its last owner gone, the object goes.
+    call(api, "DELETE", cm_path(namespace, "second"))
+    wait_for(lambda: call(api, "GET", cm_path(namespace, "shared")).status == 404, what="the dependent deleted")
+
+
+def test_an_object_whose_owners_were_all_deleted_before_it_was_created_is_collected(api: client.ApiClient,
+                                                                                      namespace: str) -> None:
+    gone = configmap(api, namespace, "gone")
+    call(api, "DELETE", cm_path(namespace, "gone"))
+    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": gone["metadata"]["uid"]}
+    assert call(api, "POST", cm_path(namespace), {"metadata": {"name": "late", "ownerReferences": [ref]}}).status \
+        == 201
+    wait_for(lambda: call(api, "GET", cm_path(namespace, "late")).status == 404, what="the orphan collected")
+
+
 def test_deleting_a_namespace_removes_its_contents(api: client.ApiClient) -> None:
     ns = f"gone-{uuid.uuid4().hex[:6]}"
     call(api, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
@@ -593,6 +627,76 @@ def test_deleting_a_namespace_removes_its_contents(api: client.ApiClient) -> Non
     assert call(api, "DELETE", f"/api/v1/namespaces/{ns}").status == 200
     wait_for(lambda: call(api, "GET", f"/api/v1/namespaces/{ns}").status == 404, what="namespace gone")
     assert call(api, "GET", cm_path(ns, "inside")).status == 404
+
+
+# ---- what clients cost: /metrics
+
+
+def request_counts(api: client.ApiClient) -> dict[tuple[str, ...], float]:
+    """apiserver_request_total by (verb, resource, subresource, scope, code), from /metrics."""
+    reply = call(api, "GET", "/metrics", headers={"Accept": "text/plain"})
+    assert reply.status == 200
+    counts: dict[tuple[str, ...], float] = {}
+    for line in str(reply.body).splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            assert set(labels) == {"code", "component", "dry_run", "group", "resource", "scope", "subresource",
+                                   "system_client", "verb", "version"}  # kube-apiserver v1.36's, all of them
+            key = (labels["verb"], labels["resource"], labels["subresource"], labels["scope"], labels["code"])
+            counts[key] = counts.get(key, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_metrics_count_requests_by_verb_resource_subresource_scope_and_code(tmp_path: Path) -> None:
+    """The verbs and scopes kube-apiserver's apiserver_request_total gives requests (observed on v1.36): a LIST
+    of a namespace, a GET of one object (also through a list by name), a WATCH (counted when it ends), a create,
+    an APPLY, a PATCH, a 404. A kubesim of its own: this test is its only client."""
+    sim = start_sim(tmp_path / "sim")
+    try:
+        counted(sim.api(), "counted")
+    finally:
+        sim.stop()
+
+
+def counted(api: client.ApiClient, namespace: str) -> None:
+    assert call(api, "POST", "/api/v1/namespaces", {"metadata": {"name": namespace}}).status == 201
+    configmap(api, namespace, "counted")
+    before = request_counts(api)
+    call(api, "GET", cm_path(namespace))
+    call(api, "GET", cm_path(namespace, "counted"))
+    call(api, "GET", cm_path(namespace, "absent"))
+    call(api, "GET", cm_path(namespace), query={"watch": "true", "timeoutSeconds": "1"})
+    # A built-in kind's list or watch by name is its route's: of the namespace.
+    call(api, "GET", cm_path(namespace), query={"fieldSelector": "metadata.name=counted", "resourceVersion": "0"})
+    call(api, "GET", cm_path(namespace), query={"fieldSelector": "metadata.name=counted", "watch": "true",
+                                                "timeoutSeconds": "1"})
+    configmap(api, namespace, "created")
+    # A custom resource's is the object's (apiextensions-apiserver): a GET, a WATCH of scope resource.
+    vms = f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines"
+    call(api, "GET", vms, query={"fieldSelector": "metadata.name=vm", "resourceVersion": "0"})
+    call(api, "GET", vms, query={"fieldSelector": "metadata.name=vm", "watch": "true", "timeoutSeconds": "1"})
+    call(api, "GET", vms)
+    call(api, "PATCH", cm_path(namespace, "applied"), {"apiVersion": "v1", "kind": "ConfigMap",
+                                                        "metadata": {"name": "applied"}},
+         query={"fieldManager": "t"}, content_type="application/apply-patch+yaml")
+    call(api, "PATCH", f"/api/v1/namespaces/{namespace}", {"metadata": {"labels": {"counted": "yes"}}},
+         content_type="application/merge-patch+json")
+    call(api, "GET", "/healthz")
+    call(api, "GET", "/version")
+    after = request_counts(api)
+    grown = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    # /metrics, /version and discovery are not counted; the health checks are, by path.
+    assert grown == {("GET", "", "/healthz", "", "200"): 1,
+                     ("LIST", "configmaps", "", "namespace", "200"): 2,
+                     ("GET", "configmaps", "", "resource", "200"): 1,
+                     ("GET", "configmaps", "", "resource", "404"): 1,
+                     ("WATCH", "configmaps", "", "namespace", "200"): 2,
+                     ("POST", "configmaps", "", "resource", "201"): 1,
+                     ("GET", "virtualmachines", "", "resource", "200"): 1,
+                     ("WATCH", "virtualmachines", "", "resource", "200"): 1,
+                     ("LIST", "virtualmachines", "", "namespace", "200"): 1,
+                     ("APPLY", "configmaps", "", "resource", "201"): 1,
+                     ("PATCH", "namespaces", "", "resource", "200"): 1}
 
 
 # ---- HTTP framing

@@ -211,6 +211,67 @@ def test_recreate_removes_old_pods_before_creating_new_ones(core: client.CoreV1A
     assert last_old_gone < first_new
 
 
+def deployment_statuses(apps: client.AppsV1Api, namespace: str, name: str, since: str,
+                        until: Any, timeout: float = 30) -> list[dict[str, Any]]:
+    """Every status the Deployment went through after resourceVersion `since`, up to the first for which
+    `until(status)` holds (it is the last one)."""
+    seen: list[dict[str, Any]] = []
+    for event in watch.Watch().stream(apps.list_namespaced_deployment, namespace, resource_version=since,
+                                      field_selector=f"metadata.name={name}", timeout_seconds=int(timeout),
+                                      _preload_content=False):
+        status = client.ApiClient().sanitize_for_serialization(event["object"].status) or {}
+        seen.append(status)
+        if until(status):
+            return seen
+    raise AssertionError(f"no Deployment status matched within {timeout}s: {seen}")
+
+
+def progressing(status: dict[str, Any]) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == "Progressing"), {})
+
+
+def timed_out(status: dict[str, Any]) -> str:
+    """The ReplicaSet a ProgressDeadlineExceeded verdict names ("" without one)."""
+    cond = progressing(status)
+    return cond.get("message", "").split('"')[1] if cond.get("reason") == "ProgressDeadlineExceeded" else ""
+
+
+@pytest.mark.parametrize("strategy", ["Recreate", "RollingUpdate"])
+def test_a_progress_verdict_outlives_its_template_as_kube_controller_manager_keeps_it(
+        apps: client.AppsV1Api, namespace: str, strategy: str) -> None:
+    """pkg/controller/deployment: a ProgressDeadlineExceeded condition stays (SetDeploymentCondition keeps a
+    condition of the same status and reason, message included) until the new ReplicaSet makes progress; under
+    Recreate the first sync of a new template only scales the old ReplicaSets down (recreate.go) and already
+    reports the new generation observed, so for a while observedGeneration is current and the verdict is not.
+    Under RollingUpdate the new ReplicaSet is created in that first sync, with a fresh NewReplicaSetCreated."""
+    body = deployment("stuck", [{"name": "main", "image": "registry.invalid/never:1"}],
+                      strategy={"type": strategy})
+    body["spec"]["progressDeadlineSeconds"] = 1
+    apps.create_namespaced_deployment(namespace, body)
+    first = wait_for(lambda: timed_out((d := apps.read_namespaced_deployment("stuck", namespace).to_dict())
+                                       .get("status") or {}) and d, timeout=20, what="the first verdict")
+    first_rs = timed_out(first["status"])
+    assert first_rs.startswith("stuck-")
+    since = first["metadata"]["resource_version"]
+
+    apps.patch_namespaced_deployment("stuck", namespace, {"spec": {"template": {"spec": {"containers": [
+        {"name": "main", "image": "registry.invalid/never:2"}]}}}})
+
+    statuses = deployment_statuses(apps, namespace, "stuck", since,
+                                   lambda s: timed_out(s) not in ("", first_rs) and s.get("observedGeneration") == 2)
+    observed = [s for s in statuses if s.get("observedGeneration") == 2]
+    second_rs = timed_out(statuses[-1])
+    assert second_rs != first_rs
+    stale = [s for s in observed if timed_out(s) == first_rs]
+    if strategy == "Recreate":
+        assert stale, "the first sync of the new template kept the old verdict"
+    else:
+        assert not stale, [progressing(s) for s in observed]
+    # In between, the new ReplicaSet progressed: the verdict on it is fresh, not the old one carried over.
+    assert any(progressing(s).get("status") == "True" for s in observed[observed.index(stale[-1]) + 1 if stale
+                                                                     else 0:])
+
+
 # ---- the kubelet
 
 

@@ -179,7 +179,7 @@ class Bmc:
         server = self.agent.server_config
         self.front = RedfishFront(app, probes={"/healthz": lambda: True, "/readyz": self.ready},
                                   threads=server.threads, body_timeout=server.body_timeout, limits=server.limits,
-                                  web=web)
+                                  web=web, arrived=self.machine.client_arrived)
 
     def _login_throttled(self, engaged: Engaged) -> None:
         """A Warning Event on this BMC's VirtualMachineBMC (at most one per source a minute, see
@@ -230,6 +230,17 @@ class Bmc:
         ipmi_done = not self.spec.ipmi or self.ipmi is not None or self.parts["ipmi"].failures > 0
         machine_done = self.machine_ready or self.vm_absent
         return http_done and https_done and (ipmi_done or self.vm_absent) and machine_done
+
+    def serving_report(self) -> tuple[bool, str] | None:
+        """(serving everything its spec asks for, why not) once its first start settled; None before, or while
+        its VM does not exist (the controller knows that without being told)."""
+        if not self.settled() or self.vm_absent or self.machine is None:
+            return None
+        if self.serving():
+            return True, ""
+        errors = [f"{part.what}: {part.error}" for key, part in self.parts.items()
+                  if key in ("http", "https", "ipmi") and part.error]
+        return False, "; ".join(errors) or "not serving every listener yet"
 
     def listener_error(self) -> str:
         """Why its HTTP or HTTPS listener failed to open, "" when neither did."""

@@ -101,6 +101,10 @@ class Agent:
         # Counters: kept over members' restarts so that the summed login counters never go down.
         self._retired: dict[str, dict[str, int]] = {"failures": {}, "refused": {}, "lockouts": {}}
         self.counters = {"applied": 0, "rejected": 0, "start_failures": 0}
+        # A pool's members' own readiness, as last reported to their VirtualMachineBMCs, and reports on their way.
+        self._reported: dict[str, tuple[bool, str]] = {}
+        self._reporting: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- what a BMC needs of its host (bmc.Host)
 
@@ -223,6 +227,7 @@ class Agent:
                  "on" if spec.redfish else "off")
 
     async def _stop(self, bmc: Bmc) -> None:
+        self._reported.pop(bmc.spec.name, None)
         results = await asyncio.gather(bmc.close_listeners(), asyncio.to_thread(bmc.stop), return_exceptions=True)
         for result in results:
             if isinstance(result, Exception):
@@ -266,6 +271,32 @@ class Agent:
             self._ready = all(b.settled() for n, b in self.bmcs.items() if n in self._first)
             if self._ready and self.pooled:
                 log.info("pool: ready: %d member(s)", len(self.bmcs))
+        if self.pooled:
+            self._report_serving()
+
+    def _report_serving(self) -> None:
+        """Each member's own readiness to its VirtualMachineBMC (Machine.report_serving), when it changed: the pod
+        stays ready for the others while one member cannot serve, so its BMC's status has to say so."""
+        for name, bmc in self.bmcs.items():
+            report = bmc.serving_report()
+            if report is None or self._reported.get(name) == report or name in self._reporting:
+                continue
+            machine = bmc.machine
+            assert machine is not None
+            self._reporting.add(name)
+            task = asyncio.get_running_loop().create_task(self._report(name, machine, report))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _report(self, name: str, machine: Machine, report: tuple[bool, str]) -> None:
+        try:
+            await asyncio.to_thread(machine.report_serving, *report)
+            self._reported[name] = report
+        except Exception as exc:  # tried again at the next tick
+            log.warning("pool: could not report member %s %s: %s", name, "serving" if report[0] else "not serving",
+                        exc)
+        finally:
+            self._reporting.discard(name)
 
     def _check_listeners(self) -> None:
         """A dedicated agent whose listeners did not open stops (see the module's docstring)."""

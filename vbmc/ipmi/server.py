@@ -13,6 +13,7 @@ import collections
 import contextlib
 import contextvars
 import logging
+import math
 import select
 import socket
 import struct
@@ -56,7 +57,6 @@ WRITE_DEADLINE = 0.8  # a slower backend write is answered 0xC0 (node busy) befo
 POLL_INTERVAL = 0.2  # the longest stop() waits for the serving thread (it wakes it through its wake socket)
 # The longest the serving thread sleeps with nothing due: a packet, stop() and work posted wake it at once, and with
 # sessions open it wakes for the next sweep. An idle BMC costs no wake-ups (a pooled agent has a hundred).
-IDLE_WAIT = 5.0
 # How long after an accepted power-up command the chassis reads "on" while the VM still reads off (KubeVirt has not
 # yet turned the start request into a VMI): the power button was pressed, the chassis has power.
 POWER_UP_GRACE = 10.0
@@ -290,12 +290,14 @@ class IpmiServer:
         sock, wake = self._socket, self._wake[0]
         while not self._stopping.is_set():
             now = time.monotonic()
-            timeout = IDLE_WAIT
+            # Asleep while idle: with no session to expire and no SOL output due, nothing happens until a packet
+            # or the wake socket (stop, an inbox) arrives, however many BMCs a pool's process serves.
+            timeout: float | None = None
             if self._sessions:  # half-open and idle sessions expire at the sweeps
-                timeout = min(timeout, max(0.0, self._next_sweep - now))
+                timeout = max(0.0, self._next_sweep - now)
             due = self._sol.link.due if self._sol is not None else None
             if due is not None:
-                timeout = min(timeout, max(0.0, due - now))
+                timeout = min(timeout if timeout is not None else math.inf, max(0.0, due - now))
             try:
                 readable, _, _ = select.select((sock, wake), (), (), timeout)
             except (OSError, ValueError):
@@ -349,6 +351,7 @@ class IpmiServer:
                 log.exception("ipmi: serial console work failed vm=%s", self._vm)
 
     def _datagram(self, packet: bytes, sockaddr: Any) -> None:
+        self.machine.client_arrived()  # a session's first command comes a few round trips later
         kind = rmcp.classify(packet)
         if kind is rmcp.PacketKind.RMCP_PLUS:
             payload_type = rmcp.rmcp_plus_payload_type(packet)

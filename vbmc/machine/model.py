@@ -300,6 +300,18 @@ class Machine(abc.ABC):
             self.events.publish(POWER_STATE_CHANGED, f"power state changed from {before} to {power}",
                                 **{"from": str(before), "to": str(power)})
 
+    def client_arrived(self) -> None:
+        """A client has just reached the BMC (an IPMI packet, a Redfish request): a backend whose next read may need
+        a round trip first (KubeVirt: caches silent for longer than the staleness bound) starts it now, in the
+        background, so that the read does not wait for all of it. Must not block; the default has nothing to do."""
+        return None
+
+    def report_serving(self, serving: bool, message: str) -> None:
+        """Tell the machine's owner whether the BMC in front of it serves everything it should: a pool member's
+        own readiness, which the pool's pod cannot show (it stays ready while any member serves). Blocking; the
+        default has nobody to tell but the log."""
+        log.debug("machine %s: %s", "serving" if serving else "not serving", message or "every listener up")
+
     def secure_boot(self) -> SecureBoot:
         """UEFI secure boot; the default reads the inventory and claims no running boot."""
         inventory = self.inventory()

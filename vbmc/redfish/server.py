@@ -130,12 +130,14 @@ class RedfishFront:
     """An ASGI app in front of a WSGI app: probes on the event loop, whole requests to worker threads."""
 
     def __init__(self, app: Any, *, probes: Mapping[str, Probe] | None = None, threads: int = 2,
-                 body_timeout: float = 10.0, limits: Limits | None = None, web: Any = None) -> None:
+                 body_timeout: float = 10.0, limits: Limits | None = None, web: Any = None,
+                 arrived: Callable[[], None] | None = None) -> None:
         self.app = app
         # What the port serves besides Redfish (the agent's vbmc/web WebFront: the page and the consoles'
         # WebSockets), on the event loop; without it every WebSocket is refused.
         self.web = web
         self.probes = dict(probes or {})
+        self.arrived = arrived  # told of every request but a probe, before its body is read (must not block)
         self.body_timeout = body_timeout
         self.limits = limits or Limits()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="redfish")
@@ -166,6 +168,8 @@ class RedfishFront:
             await _respond(send, 200 if ok else 503, [(b"content-type", b"text/plain")],
                            b"ok\n" if ok else b"not ready\n")
             return
+        if self.arrived is not None:
+            self.arrived()
         if self.web is not None and self.web.serves(scope):
             await self.web.http(scope, send)
             return

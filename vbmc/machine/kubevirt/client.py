@@ -23,7 +23,7 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -196,6 +196,8 @@ class KubeClient:
         self._base_headers = {"Accept": "application/json", "User-Agent": "kubevbmc-agent"}
         self._headers = self._with_token(creds.token)
         self._rereads = bool(creds.token_file) or (self._tls and bool(creds.ca_file))
+        self._context: ssl.SSLContext | None = None
+        self._context_ca: bytes | None = None
         self._due = clock() + refresh_seconds
 
     def _new_pool(self, ca: bytes | None) -> urllib3.PoolManager:
@@ -322,51 +324,22 @@ class KubeClient:
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise Unreachable(f"{method} {path}: {exc}") from exc
 
-    def _open_watch(self, path: str, url: str, read_timeout: float) -> urllib3.BaseHTTPResponse:
-        pool, auth = self._current()
-        resp = self._get_watch(pool, path, url, auth, read_timeout)
-        if resp.status == 401:
-            retry = self._retry_unauthorized(auth)
-            if retry is not None:
-                resp.drain_conn()
-                resp.release_conn()
-                resp = self._get_watch(self._pool, path, url, retry, read_timeout)
-        return resp
+    # ---- for the watches' own connections (streams.py)
 
-    def _get_watch(self, pool: urllib3.PoolManager, path: str, url: str, headers: dict[str, str],
-                   read_timeout: float) -> urllib3.BaseHTTPResponse:
-        try:
-            return pool.request("GET", url, headers=headers, preload_content=False,
-                                timeout=urllib3.Timeout(connect=self.timeout, read=read_timeout))
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise Unreachable(f"watch {path}: {exc}") from exc
+    def tls_context(self) -> ssl.SSLContext:
+        """The TLS context of a new connection: the CA of the moment, the client certificate if any."""
+        with self._lock:
+            if self._context is None or self._context_ca is not self._ca:
+                self._context, self._context_ca = _tls_context(self.creds, self._ca), self._ca
+            return self._context
 
-    def stream(self, path: str, query: dict[str, str], read_timeout: float,
-               opened: Callable[[urllib3.BaseHTTPResponse], None] | None = None) -> Iterator[Obj]:
-        """The events of one watch request, until the server ends it. Raises Unreachable/KubeError. The watch
-        is opened with the token and CA of the moment, so each reconnect picks up rotated credentials.
-        `opened` gets the response, whose `shutdown()` ends a read blocked in another thread."""
-        resp = self._open_watch(path, self._url(path, {**query, "watch": "true"}), read_timeout)
-        if opened is not None:
-            opened(resp)
-        try:
-            if resp.status >= 400:
-                body = resp.read()
-                try:
-                    status = json.loads(body)
-                except ValueError:
-                    status = {}
-                raise KubeError(resp.status, status.get("reason", ""), status.get("message", ""), status)
-            buffer = b""
-            for chunk in resp.stream(65536):
-                *lines, buffer = (buffer + chunk).split(b"\n")
-                for line in lines:
-                    if line.strip():
-                        yield json.loads(line)
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise Unreachable(f"watch {path}: {exc}") from exc
-        finally:
-            resp.release_conn()
+    def auth_headers(self) -> dict[str, str]:
+        """The headers of the next request (the token of the moment)."""
+        return dict(self._current()[1])
+
+    def reauthorized(self, sent: dict[str, str]) -> dict[str, str] | None:
+        """After a 401 to a request sent with `sent`: the headers to retry it with, or None (see request)."""
+        return self._retry_unauthorized(sent)
 
     def close(self) -> None:
         self._pool.clear()

@@ -41,7 +41,7 @@ from ..model import (
 )
 from . import bootorder, console, firmware, imagecheck, vmstate
 from .client import KubeClient, KubeError, Unreachable, merge_patched
-from .watch import ObjectWatch
+from .watch import ObjectWatch, confirm, confirm_soon
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -116,13 +116,13 @@ class KubeVirtMachine(Machine):
 
     def _vm(self) -> Obj:
         """The VM from the cache, when the caches of the VM, the VMI and the VirtualMachineBMC can be trusted (every
-        read starts here). A cache the API server has not confirmed for STALE_AFTER seconds is not answered from:
-        the client gets busy / 503 and retries, rather than a power state that may be minutes old."""
-        for watch in self._watches:
-            if not watch.fresh:
-                STALE_READS.add()
-                raise BackendUnavailable(watch.staleness() or "the Kubernetes API server is unreachable",
-                                         retry_after=STALE_RETRY_AFTER)
+        read starts here). A cache the API server has not confirmed for STALE_AFTER seconds is confirmed first (one
+        LIST, watch.confirm), and not answered from when that fails: the client gets busy / 503 and retries,
+        rather than a power state that may be minutes old."""
+        why = confirm(self._watches)
+        if why:
+            STALE_READS.add()
+            raise BackendUnavailable(why, retry_after=STALE_RETRY_AFTER)
         vm = self.vm_watch.obj
         if vm is None:
             raise BackendUnavailable(f"VirtualMachine {self.namespace}/{self.name} does not exist", retry_after=10)
@@ -130,6 +130,18 @@ class KubeVirtMachine(Machine):
 
     def _vmi(self) -> Obj | None:
         return self.vmi_watch.obj
+
+    def client_arrived(self) -> None:
+        confirm_soon(self._watches)
+
+    def notify_changed(self, power: PowerState | None = None) -> None:
+        """From a watch's handler, on the process's watch loop: the cached state as it is, never a confirmation
+        (a LIST there would hold up every watch of the process)."""
+        vm = self.vm_watch.obj
+        if power is None and vm is not None and self.vm_watch.synced and self.vmi_watch.synced:
+            power = vmstate.power_state(vm, self.vmi_watch.obj)
+        if power is not None:
+            super().notify_changed(power)
 
     def power_state(self) -> PowerState:
         return vmstate.power_state(self._vm(), self._vmi())
@@ -167,6 +179,16 @@ class KubeVirtMachine(Machine):
         if vmstate.power_state(vm, self._vmi()) == PowerState.OFF:
             return None
         return vmstate.running_since(self._vmi())
+
+    def report_serving(self, serving: bool, message: str) -> None:
+        """status.agent of the VirtualMachineBMC, when it says otherwise (the controller reads it into this BMC's
+        Ready): one merge patch on a change, none at rest."""
+        bmc = self.bmc_watch.obj if self.bmc_watch is not None else None
+        want = {"serving": serving, "message": message}
+        if bmc is None or (bmc.get("status") or {}).get("agent") == want:
+            return
+        self.client.request("PATCH", f"{self.bmc_path}/status", {"status": {"agent": want}},
+                            content_type=MERGE_PATCH)
 
     # ---- serial console (IPMI SOL, the web console) and screen (the web KVM): console.py
 

@@ -1,45 +1,52 @@
-"""The agent's view of one object (its VM, its VMI): list, then watch, kept current in memory.
+"""The agent's view of one object (its VM, its VMI, its VirtualMachineBMC): list, then watch, kept in memory.
 
-Every read the protocols make comes from here, never from a GET per request. The watch resumes from the last
-resourceVersion it saw (bookmarks keep that fresh), re-lists after 410 Gone, and backs off while the API server
-is unreachable.
+Every read the protocols make comes from here, never from a GET per request. The watch runs on the process's
+watch loop (streams.py: one thread for every watch), resumes from the last resourceVersion it saw (bookmarks keep
+that fresh), re-lists after 410 Gone, and backs off while the API server is unreachable. An idle watch costs the
+API server one request per WATCH_SECONDS: its renewal.
 
-A cache is only as good as the last time the API server spoke to it. A watch that is silent may be idle (nothing
-changed) or dead (the API server is frozen, a connection was dropped without a reset): the two look the same,
-and bookmarks, which a kube-apiserver sends about once a minute, come too rarely to tell them apart in time. So
-each watch remembers when it last *heard* from the API server (a list, an event, a bookmark) and, after
-PROBE_AFTER seconds of silence, asks itself: a LIST with `fieldSelector=metadata.name=<name>` and
-`resourceVersion=0`, which the API server answers from its watch cache (no etcd read; the agent's Role already
-allows it, the watch needs `list`), with a PROBE_TIMEOUT timeout. An answer alone would only prove the API server
-is up, not that this watch stream still delivers; so the probe counts as hearing only when the cache shows what
-the server showed (the same object resourceVersion, or absent on both sides), or when the watch delivers
-something within CATCH_UP seconds (an event in flight). Otherwise the watch has fallen behind: it is restarted
-(its stream shut down, a fresh list and watch). `fresh` is False once nothing was heard for STALE_AFTER seconds:
-readers then refuse to answer from the cache (IPMI 0xC0, Redfish 503) rather than report a state that may be
-minutes old. Checking it costs a clock read and a subtraction, no lock.
+A cache is only as good as the last time the API server spoke to it. A silent watch may be idle (nothing changed)
+or dead (the API server frozen, a connection dropped without a reset), and bookmarks, which a kube-apiserver sends
+about once a minute, come too rarely to tell the two apart in time. So each watch remembers when it last *heard*
+from the API server (a list, an event, a bookmark), and a read that finds a cache unheard of for STALE_AFTER
+seconds confirms it first (`confirm`): one LIST with `fieldSelector=metadata.name=<name>` and `resourceVersion=0`
+(answered from the API server's watch cache, no etcd read; the agent's Role allows it, the watch needs `list`)
+within CONFIRM_TIMEOUT. The cost follows the clients, not the clock: no client, no request.
 
-Cost: while a VM is idle, each watch (the agent has two or three) makes one such LIST every PROBE_AFTER seconds.
+One LIST confirms a machine's watches together (its VM, VMI and VirtualMachineBMC, one client, one API server):
+it confirms the first (the VM) when the API server shows what its cache shows (the same resourceVersion, or
+absent on both sides), or when the watch delivers something within CATCH_UP seconds (an event in flight); the
+others when their streams are open, which the kernel's TCP keepalive checks every few seconds (streams.py): the
+API server that answered is the one whose streams they are. A cache the LIST shows behind (a stream that stopped
+delivering while its connection stayed up: a middlebox swallowing it) has every watch of the machine restarted, a
+fresh list and watch each, and the read waits for them. A confirmation that fails (the API server does not answer
+in time) refuses the read (IPMI 0xC0, Redfish 503) rather than report a state that may be minutes old, and reads
+in the next CONFIRM_RETRY seconds are refused without asking again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .client import KubeClient, KubeError, Unreachable
+from .streams import Hub, Response, get_json, watch_events
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
-PROBE_AFTER = 4.0  # seconds of watch silence before the agent asks the API server itself
-PROBE_TIMEOUT = 2.0  # a probe not answered by then has failed; no read ever waits for a probe
-PROBE_RETRY = 0.5  # after a failed probe: so that service resumes within a second of the API server answering
-CATCH_UP = 1.0  # how long the watch may take to deliver what a probe saw before it counts as fallen behind
-STALE_AFTER = 10.0  # seconds without word from the API server after which the cache is not served
+WATCH_SECONDS = 1800  # a watch request's timeoutSeconds: an idle watch is renewed this often
+STALE_AFTER = 10.0  # seconds without word from the API server after which a read confirms the cache first
+CONFIRM_TIMEOUT = 2.0  # a confirmation not answered by then has failed
+CONFIRM_RETRY = 0.5  # after a failed confirmation, reads are refused this long without asking again
+CATCH_UP = 1.0  # how long the watch may take to deliver what a confirmation saw before it counts as fallen behind
 
 
 def same_state(cached: Obj | None, listed: Obj | None) -> bool:
@@ -54,30 +61,72 @@ def _rv(obj: Obj) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
 
 
+def confirm(watches: Sequence[ObjectWatch]) -> str:
+    """"" when the caches of `watches` (one client's; the first is the one a LIST checks) may be read now, else
+    why not (for the error a protocol returns). Blocks for at most a LIST when a cache was not heard of for
+    STALE_AFTER seconds (see the module docstring); concurrent readers share one confirmation."""
+    if all(w.fresh for w in watches):
+        return ""
+    first = watches[0]
+    for watch in watches:
+        if not watch.synced or not watch.connected:
+            watch.retry_now()  # backing off after an error: a client is asking, try again now
+            return watch.staleness()
+    with first.confirm_lock:
+        if all(w.fresh for w in watches):
+            return ""  # confirmed by the reader we waited for
+        if time.monotonic() < first.refused_until:
+            return first.staleness()
+        sent = time.monotonic()
+        if first.probe(watches):
+            for watch in watches:
+                watch.heard_at(sent)
+            return ""
+        first.refused_until = time.monotonic() + CONFIRM_RETRY
+        return first.staleness() or "the Kubernetes API server is unreachable"
+
+
+_ahead: ThreadPoolExecutor | None = None
+_ahead_lock = threading.Lock()
+
+
+def confirm_soon(watches: Sequence[ObjectWatch]) -> None:
+    """Start `confirm(watches)` in the background when a read would have to (a client has just arrived: its first
+    read then finds the confirmation done, or under way, and waits only for the rest). A clock read when the caches
+    are fresh; never blocks."""
+    global _ahead
+    if all(w.fresh for w in watches) or watches[0].confirm_lock.locked():
+        return
+    with _ahead_lock:
+        if _ahead is None:
+            _ahead = ThreadPoolExecutor(max_workers=4, thread_name_prefix="confirm")
+    _ahead.submit(confirm, watches)
+
+
 class ObjectWatch:
     def __init__(self, client: KubeClient, collection: str, name: str,
-                 on_change: Callable[[Obj | None], None] | None = None, server_timeout: int = 240, *,
-                 probe_after: float = PROBE_AFTER, stale_after: float = STALE_AFTER) -> None:
+                 on_change: Callable[[Obj | None], None] | None = None, server_timeout: int = WATCH_SECONDS, *,
+                 stale_after: float = STALE_AFTER, hub: Hub | None = None) -> None:
         self.client = client
         self.collection = collection  # e.g. /apis/kubevirt.io/v1/namespaces/ns/virtualmachines
         self.name = name
         self.on_change = on_change
         self.server_timeout = server_timeout
-        self.probe_after = probe_after
         self.stale_after = stale_after
+        self.confirm_lock = threading.Lock()
+        self.refused_until = 0.0
+        self._hub = hub
         self._obj: Obj | None = None
         self._rv = ""
         self._synced = False
         self._connected = False
         self._heard = -math.inf  # time.monotonic() of the last word from the API server that the cache matched
-        self._response: Any = None  # the open watch response, for a restart from the prober
+        self._response: Response | None = None  # the open watch stream (watch loop), for a restart
         self._restart = False
-        self._probe_failing = False
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._wake = threading.Event()  # ends a backoff early: a probe found the API server answering again
-        self._thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
-        self._prober = threading.Thread(target=self._probe_loop, name=f"probe-{name}", daemon=True)
+        self._wake: asyncio.Event | None = None  # ends a backoff early (watch loop)
+        self._future: Future[Any] | None = None
 
     @property
     def obj(self) -> Obj | None:
@@ -89,9 +138,14 @@ class ObjectWatch:
         return self._synced
 
     @property
+    def connected(self) -> bool:
+        """Listed and watching: not backing off after an error."""
+        return self._connected
+
+    @property
     def fresh(self) -> bool:
-        """Listed, watching (not in a backoff after an error), and heard from the API server in the last
-        `stale_after` seconds."""
+        """Listed, watching, and heard from the API server in the last `stale_after` seconds: readable without
+        confirming (a clock read and a subtraction, no lock)."""
         return self._synced and self._connected and time.monotonic() - self._heard < self.stale_after
 
     def staleness(self) -> str:
@@ -108,15 +162,15 @@ class ObjectWatch:
         return ""
 
     def start(self) -> None:
-        self._thread.start()
-        self._prober.start()
+        hub = self._hub = self._hub or Hub.shared()
+        self._future = hub.run(self._run())
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
         with self._cond:
             self._cond.notify_all()
-        self._shutdown_stream()
+        if self._future is not None:
+            self._future.cancel()
 
     def wait(self, predicate: Callable[[Obj | None], bool], timeout: float) -> bool:
         """Wait until `predicate(obj)` holds (checked on every change) or `timeout` passes."""
@@ -136,10 +190,23 @@ class ObjectWatch:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
             return self._synced
 
-    def _hear(self, at: float | None = None) -> None:
+    def heard_at(self, at: float | None = None) -> None:
+        """Word from the API server about this cache (now, or at `at`)."""
         with self._cond:
             self._heard = max(self._heard, time.monotonic() if at is None else at)
             self._cond.notify_all()
+
+    def retry_now(self) -> None:
+        """End a backoff: the next attempt to list and watch starts now."""
+        if self._hub is not None and self._wake is not None:
+            self._hub.call(self._wake.set)
+
+    def restart(self) -> None:
+        """A fresh list and watch (the stream fell behind)."""
+        self._restart = True
+        if self._hub is not None:
+            self._hub.call(self._close_stream)
+        self.retry_now()
 
     def _set(self, obj: Obj | None) -> None:
         with self._cond:
@@ -153,45 +220,47 @@ class ObjectWatch:
             except Exception:
                 log.exception("watch %s: change handler failed", self.name)
 
-    def _list(self) -> None:
-        listing = self.client.request("GET", self.collection, query={"fieldSelector": f"metadata.name={self.name}"})
+    # ---- on the watch loop
+
+    async def _list(self) -> None:
+        listing = await get_json(self.client, self.collection, {"fieldSelector": f"metadata.name={self.name}"},
+                                 self.client.timeout)
         items = listing.get("items") or []
         self._rv = listing.get("metadata", {}).get("resourceVersion", "")
         self._set(items[0] if items else None)
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
+        self._wake = asyncio.Event()
         backoff = 0.2
         need_list = True
         while not self._stop.is_set():
             try:
+                if self._restart:
+                    self._restart, need_list = False, True
                 if need_list:
-                    self._list()
+                    await self._list()
                     need_list = False
                 self._connected = True
-                self._watch_once()
+                await self._watch_once()
                 backoff = 0.2
             except _Expired:
                 need_list = True
             except (Unreachable, KubeError, ValueError) as exc:
                 if self._restart or self._stop.is_set():
-                    continue  # our own shutdown of the stream, not the API server's doing
+                    continue  # our own closing of the stream, not the API server's doing
                 self._connected = False
                 log.warning("watch %s/%s: %s; retrying in %.1fs", self.collection, self.name, exc, backoff)
                 self._wake.clear()
-                self._wake.wait(backoff)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), backoff)
                 backoff = min(backoff * 2, 5.0)
-            finally:
-                if self._restart:
-                    self._restart = False
-                    need_list = True
 
-    def _watch_once(self) -> None:
+    async def _watch_once(self) -> None:
         query = {"fieldSelector": f"metadata.name={self.name}", "resourceVersion": self._rv,
                  "allowWatchBookmarks": "true", "timeoutSeconds": str(self.server_timeout)}
         try:
-            events = self.client.stream(self.collection, query, read_timeout=self.server_timeout + 30,
-                                        opened=self._opened)
-            for event in events:
+            async for event in watch_events(self.client, self.collection, query, self.server_timeout + 30,
+                                            opened=self._opened):
                 if self._stop.is_set() or self._restart:
                     return
                 kind, obj = event.get("type"), event.get("object") or {}
@@ -208,68 +277,51 @@ class ObjectWatch:
                 elif kind == "DELETED":
                     self._set(None)
                 else:  # BOOKMARK: nothing changed up to rv, which is word from the API server all the same
-                    self._hear()
+                    self.heard_at()
         finally:
             self._response = None
 
-    def _opened(self, response: Any) -> None:
+    def _opened(self, response: Response) -> None:
         self._response = response
         if self._restart or self._stop.is_set():
-            self._shutdown_stream()
+            response.close()
 
-    def _shutdown_stream(self) -> None:
-        response = self._response
-        shutdown = getattr(response, "shutdown", None)
-        if shutdown is not None:
-            try:
-                shutdown()  # wakes the watch thread's blocked read (urllib3 >= 2.3)
-            except OSError as exc:
-                log.debug("watch %s: shutting the stream down: %s", self.name, exc)
+    def _close_stream(self) -> None:
+        if self._response is not None:
+            self._response.close()
 
-    # ---- the prober: word from the API server while the watch is silent
+    # ---- a reader's confirmation (its own thread)
 
-    def _probe_loop(self) -> None:
-        while not self._stop.is_set():
-            wait = self._heard + self.probe_after - time.monotonic()
-            if wait > 0 or not self._synced:
-                self._stop.wait(wait if wait > 0 else PROBE_RETRY)
-                continue
-            if not self._probe():
-                self._stop.wait(PROBE_RETRY)
-
-    def _probe(self) -> bool:
-        """One cheap LIST; True when it proves the cache current (see the module docstring)."""
+    def probe(self, group: Sequence[ObjectWatch]) -> bool:
+        """One LIST; True when it proves this cache current (see the module docstring). When it shows the cache
+        behind, every watch of `group` is restarted and this waits for their fresh lists."""
         sent = time.monotonic()
         try:
             listing = self.client.request(
-                "GET", self.collection, timeout=PROBE_TIMEOUT,
+                "GET", self.collection, timeout=CONFIRM_TIMEOUT,
                 query={"fieldSelector": f"metadata.name={self.name}", "resourceVersion": "0"})
             items = listing.get("items") or []
         except (Unreachable, KubeError, ValueError, AttributeError) as exc:
-            if not self._probe_failing:
-                log.warning("watch %s/%s: the API server did not answer a probe after %.0f s of silence (%s); the "
-                            "cache is served for %.0f s more at most", self.collection, self.name,
-                            sent - self._heard, exc, max(0.0, self.stale_after - (sent - self._heard)))
-            self._probe_failing = True
+            log.warning("watch %s/%s: the API server did not confirm the cache after %.0f s of silence (%s): "
+                        "reads are refused until it does", self.collection, self.name, sent - self._heard, exc)
             return False
-        if self._probe_failing:
-            log.info("watch %s/%s: the API server answers again", self.collection, self.name)
-            self._probe_failing = False
         listed = items[0] if items else None
-        if not self._connected:
-            self._wake.set()  # the watch is backing off from an error: try again now
-            return False
         with self._cond:
             caught_up = self._cond.wait_for(lambda: same_state(self._obj, listed) or self._heard >= sent, CATCH_UP)
         if caught_up:
-            self._hear(sent)
             return True
         log.warning("watch %s/%s: the watch has fallen behind the API server (cached resourceVersion %s, "
-                    "listed %s): restarting it", self.collection, self.name, _rv(self._obj or {}) or "-",
+                    "listed %s): restarting the watches", self.collection, self.name, _rv(self._obj or {}) or "-",
                     _rv(listed or {}) or "-")
-        self._restart = True
-        self._shutdown_stream()
-        return False
+        restarted = time.monotonic()
+        for watch in group:
+            watch.restart()
+        deadline = restarted + CONFIRM_TIMEOUT
+        for watch in group:
+            with watch._cond:
+                watch._cond.wait_for(lambda w=watch: w._heard >= restarted and w._connected,  # type: ignore[misc]
+                                     max(0.0, deadline - time.monotonic()))
+        return all(w._heard >= restarted for w in group)
 
 
 class _Expired(Exception):

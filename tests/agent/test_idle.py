@@ -1,0 +1,80 @@
+"""An idle agent costs the API server nothing; a read costs at most one request (issue 21).
+
+Counted by kubesim's apiserver_request_total (as kube-apiserver's /metrics counts them), with the agent the only
+client: while nobody talks to its BMC for longer than the staleness bound, it makes no request at all (its watches
+are renewed every half hour); the first read after that confirms its cache with one LIST, and the reads right after
+it cost nothing. bench/idle.py measures the same for 20 agents next to the informer-style figure."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from vbmc.machine.kubevirt.watch import STALE_AFTER
+
+from ..support.agents import AgentProcess
+from ..support.cluster import Sim, call, install_bmc_crd, start_sim, wait_for
+from ..support.vms import make_bmc, make_vm
+
+
+@pytest.fixture(scope="module")
+def quiet_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
+    """A kubesim whose only client is the agent under test."""
+    sim = start_sim(tmp_path_factory.mktemp("idle-sim"), "--bookmark-interval", "60")
+    try:
+        install_bmc_crd(sim.api())
+        yield sim
+    finally:
+        sim.stop()
+
+
+def agent_requests(api: client.ApiClient) -> dict[tuple[str, str, str], float]:
+    """apiserver_request_total by (verb, resource, code), health checks left out."""
+    counts: dict[tuple[str, str, str], float] = {}
+    for line in str(call(api, "GET", "/metrics", headers={"Accept": "text/plain"}).body).splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            if labels["resource"]:
+                key = (labels["verb"], labels["resource"], labels["code"])
+                counts[key] = counts.get(key, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def since(before: dict[Any, float], after: dict[Any, float]) -> dict[Any, float]:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def test_an_idle_agent_makes_no_request_and_a_read_after_the_bound_makes_one(quiet_sim: Sim) -> None:
+    api = quiet_sim.api()
+    ns = f"idle-{uuid.uuid4().hex[:6]}"
+    assert call(api, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}}).status == 201
+    make_vm(api, ns)
+    make_bmc(api, ns)
+    agent = AgentProcess("--namespace", ns, "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": quiet_sim.kubeconfig})
+    try:
+        wait_for(agent.ready, timeout=20, what="the agent ready")
+        assert agent.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
+
+        before = agent_requests(api)
+        time.sleep(STALE_AFTER + 2)  # idle past the bound: nothing asks, nothing is asked
+        idle = since(before, agent_requests(api))
+        assert idle == {}, f"an idle agent made requests: {idle}"
+
+        status, system = agent.redfish("GET", "/redfish/v1/Systems/vm")
+        assert status == 200 and system["PowerState"] == "Off"
+        first = since(before, agent_requests(api))
+        # The cache confirmed, for the whole BMC: one list of the VM by name (which kube-apiserver counts as a GET).
+        assert first == {("GET", "virtualmachines", "200"): 1}, first
+
+        for _ in range(5):
+            assert agent.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
+            assert "Chassis Power is off" in agent.ipmitool("power", "status").stdout
+        assert since(before, agent_requests(api)) == first, "reads within the bound asked the API server again"
+    finally:
+        agent.stop()
