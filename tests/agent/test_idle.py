@@ -8,6 +8,7 @@ it cost nothing. bench/idle.py measures the same for 20 agents next to the infor
 from __future__ import annotations
 
 import re
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -76,5 +77,35 @@ def test_an_idle_agent_makes_no_request_and_a_read_after_the_bound_makes_one(qui
             assert agent.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
             assert "Chassis Power is off" in agent.ipmitool("power", "status").stdout
         assert since(before, agent_requests(api)) == first, "reads within the bound asked the API server again"
+    finally:
+        agent.stop()
+
+
+def test_a_connection_starts_the_confirmation_before_its_request_arrives(quiet_sim: Sim) -> None:
+    """A client's TLS handshake and request take as long as the confirming LIST: the agent starts it when the
+    connection is accepted, so the first read after a quiet spell finds it done or under way."""
+    api = quiet_sim.api()
+    ns = f"idle-{uuid.uuid4().hex[:6]}"
+    assert call(api, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}}).status == 201
+    make_vm(api, ns)
+    make_bmc(api, ns)
+    agent = AgentProcess("--namespace", ns, "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": quiet_sim.kubeconfig})
+    try:
+        wait_for(agent.ready, timeout=20, what="the agent ready")
+        assert agent.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
+        time.sleep(STALE_AFTER + 2)
+        before = agent_requests(api)
+        with socket.create_connection(("127.0.0.1", agent.http_port), timeout=5) as conn:
+            # Nothing sent yet: the accepted connection alone asks the API server to confirm the cache.
+            wait_for(lambda: since(before, agent_requests(api)) == {("GET", "virtualmachines", "200"): 1},
+                     timeout=5, what="the cache confirmed on accept")
+            conn.sendall(b"GET /redfish/v1/Systems/vm HTTP/1.1\r\nHost: bmc\r\nConnection: close\r\n\r\n")
+            conn.settimeout(5)
+            reply = b""
+            while chunk := conn.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 401"), reply[:80]  # no credentials: still nothing more asked
+        assert agent.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
+        assert since(before, agent_requests(api)) == {("GET", "virtualmachines", "200"): 1}
     finally:
         agent.stop()

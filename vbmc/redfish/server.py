@@ -500,6 +500,9 @@ class _CappedListener(socket.socket):
     bounded (each connection costs tens of kilobytes, a TLS one more) however many a client opens."""
 
     slots: _Slots
+    # Told of every connection accepted, before its TLS handshake (the front's `arrived`: a client is coming, so
+    # the confirmation of a silent cache runs while the handshake does). Must not block: the event loop's thread.
+    accepted: Callable[[], None] | None = None
 
     def accept(self) -> tuple[socket.socket, Any]:
         fd, address = self._accept()  # type: ignore[attr-defined]
@@ -509,6 +512,8 @@ class _CappedListener(socket.socket):
             log.debug("redfish: %d connections open, closed one from %s", self.slots.cap, address)
             raise ConnectionAbortedError  # asyncio's accept loop drops it and goes on
         conn.slots = self.slots
+        if self.accepted is not None:
+            self.accepted()
         return conn, address
 
 
@@ -561,6 +566,8 @@ class Listeners:
         _small_tls_buffers()
         try:
             for sock, tls in self._sockets:
+                if isinstance(sock, _CappedListener):
+                    sock.accepted = self.front.arrived
                 self._servers.append(await asyncio.start_server(
                     self._connection, sock=sock, backlog=self._hc.backlog, ssl=tls,
                     ssl_handshake_timeout=self._hc.ssl_handshake_timeout if tls is not None else None))
