@@ -36,6 +36,9 @@ def vmi(phase: str) -> Obj:
     (vm("Provisioning", "Always"), None, PowerState.POWERING_ON),
     (vm("WaitingForVolumeBinding", "Halted"), None, PowerState.OFF),
     (vm("Starting", "Manual"), vmi("Scheduling"), PowerState.POWERING_ON),
+    # The start request consumed and the VMI created, before the VMI's watch has delivered it (two streams, no
+    # order between them): not a moment of "off" (a spurious power-off in the SEL and the EventService).
+    (vm("Starting", "Manual"), None, PowerState.POWERING_ON),
     # A start request not yet acted on, and run strategies that start the VM by themselves.
     (vm("Stopped", "Manual"), None, PowerState.OFF),
     (vm("Stopped", "Manual", ["Start"]), None, PowerState.POWERING_ON),

@@ -72,6 +72,11 @@ def power_state(vm: Obj, vmi: Obj | None) -> PowerState:
         return PowerState.ON
     if status in _POWERING_OFF:
         return PowerState.POWERING_OFF
+    if status == "Starting":
+        # KubeVirt prints Starting only for a VMI that exists and is not running yet, or one it is about to create
+        # (vm.go isVirtualMachineStatusStarting). The VM's watch may deliver that before the VMI's watch delivers
+        # the VMI, with the start request already consumed: the VM itself says it is powering on.
+        return PowerState.POWERING_ON
     if status in _POWERING_ON or status in _START_ERRORS or status in ("Stopped", ""):
         return PowerState.POWERING_ON if meant_to_run(vm, vmi) else PowerState.OFF
     if status in _VOLUME_ERRORS and _vmi_active(vmi):
