@@ -19,7 +19,7 @@ from kubernetes import client
 
 from vbmc.machine.kubevirt.watch import STALE_AFTER
 
-from ..support.agents import AgentProcess
+from ..support.agents import AgentProcess, running_agent
 from ..support.cluster import Sim, call, install_bmc_crd, start_sim, wait_for
 from ..support.vms import make_bmc, make_vm
 
@@ -51,61 +51,56 @@ def since(before: dict[Any, float], after: dict[Any, float]) -> dict[Any, float]
     return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
-def test_an_idle_agent_makes_no_request_and_a_read_after_the_bound_makes_one(quiet_sim: Sim) -> None:
+@pytest.fixture
+def agent(quiet_sim: Sim) -> Iterator[AgentProcess]:
+    """An agent serving a VM of its own namespace on the quiet kubesim, ready, its cache read once."""
     api = quiet_sim.api()
     ns = f"idle-{uuid.uuid4().hex[:6]}"
     assert call(api, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}}).status == 201
     make_vm(api, ns)
     make_bmc(api, ns)
-    agent = AgentProcess("--namespace", ns, "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": quiet_sim.kubeconfig})
-    try:
-        wait_for(agent.ready, timeout=20, what="the agent ready")
+    with running_agent("--namespace", ns, "--vm", "vm", "--vmbmc", "vm",
+                       env={"KUBECONFIG": quiet_sim.kubeconfig}) as process:
+        assert process.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
+        yield process
+
+
+def test_an_idle_agent_makes_no_request_and_a_read_after_the_bound_makes_one(quiet_sim: Sim,
+                                                                             agent: AgentProcess) -> None:
+    api = quiet_sim.api()
+    before = agent_requests(api)
+    time.sleep(STALE_AFTER + 2)  # idle past the bound: nothing asks, nothing is asked
+    idle = since(before, agent_requests(api))
+    assert idle == {}, f"an idle agent made requests: {idle}"
+
+    status, system = agent.redfish("GET", "/redfish/v1/Systems/vm")
+    assert status == 200 and system["PowerState"] == "Off"
+    first = since(before, agent_requests(api))
+    # The cache confirmed, for the whole BMC: one list of the VM by name (which kube-apiserver counts as a GET).
+    assert first == {("GET", "virtualmachines", "200"): 1}, first
+
+    for _ in range(5):
         assert agent.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
-
-        before = agent_requests(api)
-        time.sleep(STALE_AFTER + 2)  # idle past the bound: nothing asks, nothing is asked
-        idle = since(before, agent_requests(api))
-        assert idle == {}, f"an idle agent made requests: {idle}"
-
-        status, system = agent.redfish("GET", "/redfish/v1/Systems/vm")
-        assert status == 200 and system["PowerState"] == "Off"
-        first = since(before, agent_requests(api))
-        # The cache confirmed, for the whole BMC: one list of the VM by name (which kube-apiserver counts as a GET).
-        assert first == {("GET", "virtualmachines", "200"): 1}, first
-
-        for _ in range(5):
-            assert agent.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
-            assert "Chassis Power is off" in agent.ipmitool("power", "status").stdout
-        assert since(before, agent_requests(api)) == first, "reads within the bound asked the API server again"
-    finally:
-        agent.stop()
+        assert "Chassis Power is off" in agent.ipmitool("power", "status").stdout
+    assert since(before, agent_requests(api)) == first, "reads within the bound asked the API server again"
 
 
-def test_a_connection_starts_the_confirmation_before_its_request_arrives(quiet_sim: Sim) -> None:
+def test_a_connection_starts_the_confirmation_before_its_request_arrives(quiet_sim: Sim,
+                                                                         agent: AgentProcess) -> None:
     """A client's TLS handshake and request take as long as the confirming LIST: the agent starts it when the
     connection is accepted, so the first read after a quiet spell finds it done or under way."""
     api = quiet_sim.api()
-    ns = f"idle-{uuid.uuid4().hex[:6]}"
-    assert call(api, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}}).status == 201
-    make_vm(api, ns)
-    make_bmc(api, ns)
-    agent = AgentProcess("--namespace", ns, "--vm", "vm", "--vmbmc", "vm", env={"KUBECONFIG": quiet_sim.kubeconfig})
-    try:
-        wait_for(agent.ready, timeout=20, what="the agent ready")
-        assert agent.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
-        time.sleep(STALE_AFTER + 2)
-        before = agent_requests(api)
-        with socket.create_connection(("127.0.0.1", agent.http_port), timeout=5) as conn:
-            # Nothing sent yet: the accepted connection alone asks the API server to confirm the cache.
-            wait_for(lambda: since(before, agent_requests(api)) == {("GET", "virtualmachines", "200"): 1},
-                     timeout=5, what="the cache confirmed on accept")
-            conn.sendall(b"GET /redfish/v1/Systems/vm HTTP/1.1\r\nHost: bmc\r\nConnection: close\r\n\r\n")
-            conn.settimeout(5)
-            reply = b""
-            while chunk := conn.recv(65536):
-                reply += chunk
-        assert reply.startswith(b"HTTP/1.1 401"), reply[:80]  # no credentials: still nothing more asked
-        assert agent.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
-        assert since(before, agent_requests(api)) == {("GET", "virtualmachines", "200"): 1}
-    finally:
-        agent.stop()
+    time.sleep(STALE_AFTER + 2)
+    before = agent_requests(api)
+    with socket.create_connection(("127.0.0.1", agent.http_port), timeout=5) as conn:
+        # Nothing sent yet: the accepted connection alone asks the API server to confirm the cache.
+        wait_for(lambda: since(before, agent_requests(api)) == {("GET", "virtualmachines", "200"): 1},
+                 timeout=5, what="the cache confirmed on accept")
+        conn.sendall(b"GET /redfish/v1/Systems/vm HTTP/1.1\r\nHost: bmc\r\nConnection: close\r\n\r\n")
+        conn.settimeout(5)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:80]  # no credentials: still nothing more asked
+    assert agent.redfish("GET", "/redfish/v1/Systems/vm")[0] == 200
+    assert since(before, agent_requests(api)) == {("GET", "virtualmachines", "200"): 1}

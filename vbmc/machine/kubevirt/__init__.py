@@ -4,7 +4,8 @@
 `watch` (a watch cache of the VM, its VMI and its VirtualMachineBMC) over `client` (a small Kubernetes client:
 TLS, rotating tokens, watches, WebSockets). The pure helpers decide: `vmstate` (power state, health and inventory
 from the VM and VMI), `bootorder` (boot override as bootOrder renumbering), `firmware` (boot mode, secure boot),
-`imagecheck` (is a virtual media image usable, and how large); `console` is the VMI's serial console.
+`imagecheck` (is a virtual media image usable, and how large); `console` is the VMI's serial console and screen;
+`hub` the one event loop that the watches (`streams`) and the consoles share.
 
 May import `vbmc.machine` and `vbmc.access`; never a frontend or the agent.
 """

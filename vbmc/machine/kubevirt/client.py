@@ -289,9 +289,9 @@ class KubeClient:
 
     def websocket(self, path: str, output: Callable[[bytes], None], closed: Callable[[str], None], name: str, *,
                   query: dict[str, str] | None = None, timeout: float | None = None) -> console.WebSocketStream:
-        """A console WebSocket (console.py: driven by the process's console loop, `output` and `closed` called
-        there) to `path`. Raises KubeError with the server's Status when it refuses the upgrade (a 401 with a token
-        from a file is retried once, with the token read again), Unreachable otherwise."""
+        """A console WebSocket (console.py: driven by the process's stream loop, hub.Hub; `output` and
+        `closed` called there) to `path`. Raises KubeError with the server's Status when it refuses the upgrade (a
+        401 with a token from a file is retried once, with the token read again), Unreachable otherwise."""
         _, auth = self._current()
         tls = _tls_context(self.creds, self._ca) if self._tls else None
         for attempt in (1, 2):

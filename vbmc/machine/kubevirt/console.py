@@ -9,11 +9,12 @@ ends when the VMI does (stopped, or a reset that replaced it).
 One owner per connection. An OpenSSL connection must not be used by two threads at once: the serial bridge once
 read its WebSocket in one thread and wrote it in another, and typing while the VM printed its boot text ended the
 line with `[SSL: WRONG_VERSION_NUMBER]` and lost what was typed. Here every console connection of the process is
-driven by one asyncio event loop on one daemon thread (`ConsoleLoop`, started with the first console): the TLS
+driven by one asyncio event loop on one daemon thread (hub.Hub, the one the watches run on): the TLS
 handshake, the WebSocket handshake (wsproto), every read, write, pong and the close happen there and nowhere else.
 Other threads hand it bytes (`WebSocketStream.send`: thread-safe, bounded) and get what arrives through callbacks
 that run on that loop and must not block (the IPMI server posts them to its own thread; the web consoles to the
-agent's loop). A pooled agent with a hundred consoles open has one thread for all of them, not two per console.
+agent's loop). A pooled agent with a hundred consoles open has one thread for all of them and its watches, not
+two per console.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ import contextlib
 import logging
 import ssl
 import threading
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
-from urllib.parse import urlencode, urlsplit
+from collections.abc import Callable
+from typing import Any
 
 from wsproto import ConnectionType, WSConnection
 from wsproto.connection import ConnectionState
@@ -42,6 +42,7 @@ from wsproto.events import (
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from ..model import ConsoleUnavailable
+from .hub import Hub, server_target
 
 log = logging.getLogger("vbmc.console")
 
@@ -55,7 +56,6 @@ OUTBOX = 256 * 1024  # bytes handed to a connection and not yet taken by the API
 READ_SIZE = 64 * 1024
 REJECT_BODY = 64 * 1024  # of a refused upgrade's body (a Status), kept for the error
 
-T = TypeVar("T")
 
 
 class Refused(Exception):
@@ -69,53 +69,6 @@ class Refused(Exception):
 
 class HandshakeFailed(Exception):
     """The connection went away or broke the protocol before the upgrade was answered."""
-
-
-class ConsoleLoop:
-    """The process's one event loop for console connections, on a daemon thread started on first use."""
-
-    _lock = threading.Lock()
-    _instance: ConsoleLoop | None = None
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="kubevirt-consoles", daemon=True)
-        self.thread.start()
-
-    @classmethod
-    def shared(cls) -> ConsoleLoop:
-        with cls._lock:
-            if cls._instance is None:
-                cls._instance = ConsoleLoop()
-            return cls._instance
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run `coro` on the loop and wait for it (from any other thread)."""
-        if threading.current_thread() is self.thread:
-            coro.close()
-            raise RuntimeError("ConsoleLoop.run called on the console loop itself")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            future.cancel()
-            raise
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
-            self.loop.call_soon_threadsafe(fn, *args)
-
-
-def upgrade_target(server: str, path: str, query: dict[str, str] | None) -> tuple[str, int, bool, str, str]:
-    """(host, port, tls, Host header, request target) of a WebSocket GET to `path` on the API server `server` (a URL
-    that may carry a path prefix)."""
-    parts = urlsplit(server)
-    tls = parts.scheme == "https"
-    host = parts.hostname or "localhost"
-    port = parts.port or (443 if tls else 80)
-    host_header = parts.netloc.rpartition("@")[2]
-    target = parts.path.rstrip("/") + path + (f"?{urlencode(query)}" if query else "")
-    return host, port, tls, host_header, target
 
 
 async def _handshake(host: str, port: int, tls: ssl.SSLContext | None, host_header: str, target: str,
@@ -154,10 +107,11 @@ async def _handshake(host: str, port: int, tls: ssl.SSLContext | None, host_head
 
 
 class WebSocketStream:
-    """A connected console WebSocket, owned by the console loop: `output` gets what the server sends and `closed`
-    is called once, with the reason, when the server ends the line (not after close()); both on the loop."""
+    """A connected console WebSocket, owned by the stream loop (hub.Hub): `output` gets what the server sends
+    and `closed` is called once, with the reason, when the server ends the line (not after close()); both on the
+    loop."""
 
-    def __init__(self, owner: ConsoleLoop, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    def __init__(self, owner: Hub, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  ws: WSConnection, output: Callable[[bytes], None], closed: Callable[[str], None], name: str) -> None:
         self._owner = owner
         self._reader, self._writer, self._ws = reader, writer, ws
@@ -274,11 +228,11 @@ class WebSocketStream:
 def connect(server: str, path: str, query: dict[str, str] | None, tls: ssl.SSLContext | None,
             headers: list[tuple[str, str]], output: Callable[[bytes], None], closed: Callable[[str], None],
             name: str, timeout: float) -> WebSocketStream:
-    """A console WebSocket to `path` on `server`, driven by the process's console loop. Blocks the caller (never the
-    loop) until the upgrade is answered. Raises Refused with the server's answer, HandshakeFailed, OSError,
-    ssl.SSLError or TimeoutError."""
-    host, port, is_tls, host_header, target = upgrade_target(server, path, query)
-    owner = ConsoleLoop.shared()
+    """A console WebSocket to `path` on `server`, driven by the process's stream loop (hub.Hub). Blocks the
+    caller (never the loop) until the upgrade is answered. Raises Refused with the server's answer, HandshakeFailed,
+    OSError, ssl.SSLError or TimeoutError."""
+    host, port, is_tls, host_header, target = server_target(server, path, query)
+    owner = Hub.shared()
 
     async def open_stream() -> WebSocketStream:
         async with asyncio.timeout(timeout):
@@ -288,4 +242,4 @@ def connect(server: str, path: str, query: dict[str, str] | None, tls: ssl.SSLCo
         stream.start(early)
         return stream
 
-    return owner.run(open_stream(), timeout + 1)
+    return owner.wait(open_stream(), timeout + 1)

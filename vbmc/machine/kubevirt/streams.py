@@ -1,5 +1,6 @@
 """Every watch of the process on one thread: the agent's watches (three per BMC, and a pool's Secret) as tasks of
-one asyncio event loop, over plain HTTP/1.1 connections of their own.
+one asyncio event loop (hub.py's `Hub`, which also drives the consoles' WebSockets: console.py), over plain HTTP/1.1
+connections of their own.
 
 A pool of 100 members used to run 300 watch threads, each blocked in a read for minutes; here they are 300
 coroutines waiting on their sockets (bench/agent.py counts the threads). Nothing a reader does waits on this
@@ -20,44 +21,17 @@ import contextlib
 import json
 import socket
 import ssl
-import threading
-from collections.abc import AsyncIterator, Coroutine
-from concurrent.futures import Future
+from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import urlencode, urlsplit
 
 from .client import KubeClient, KubeError, Unreachable
+from .hub import server_target
 
 Obj = dict[str, Any]
 
 KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 3, 2, 2  # seconds, seconds, probes
 KEEPALIVE_BOUND = KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_COUNT  # a dead peer noticed within this
 MAX_LINE = 16 * 2**20  # one watch event (a VM's JSON) is far smaller; a bigger line is a broken stream
-
-
-class Hub:
-    """The event loop of the process's watches, on one daemon thread started on first use."""
-
-    _shared: Hub | None = None
-    _shared_lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="watches", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def shared(cls) -> Hub:
-        with cls._shared_lock:
-            if cls._shared is None:
-                cls._shared = Hub()
-            return cls._shared
-
-    def run(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, callback: Any, *args: Any) -> None:
-        self.loop.call_soon_threadsafe(callback, *args)
 
 
 class Response:
@@ -104,11 +78,7 @@ class Response:
 
 async def _connect(client: KubeClient, path: str, query: dict[str, str], timeout: float,
                    headers: dict[str, str]) -> Response:
-    server = urlsplit(client.creds.server)
-    tls = server.scheme == "https"
-    host = server.hostname or "localhost"
-    port = server.port or (443 if tls else 80)
-    target = server.path.rstrip("/") + path + (f"?{urlencode(query)}" if query else "")
+    host, port, tls, host_header, target = server_target(client.creds.server, path, query)
     context: ssl.SSLContext | None = client.tls_context() if tls else None
     reader, writer = await asyncio.wait_for(asyncio.open_connection(
         host, port, ssl=context, server_hostname=host if tls else None, limit=MAX_LINE), timeout)
@@ -120,7 +90,7 @@ async def _connect(client: KubeClient, path: str, query: dict[str, str], timeout
             if hasattr(socket, option):
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), seconds)
     try:
-        head = [f"GET {target} HTTP/1.1", f"Host: {server.netloc.rsplit('@', 1)[-1]}", "Connection: close",
+        head = [f"GET {target} HTTP/1.1", f"Host: {host_header}", "Connection: close",
                 *(f"{k}: {v}" for k, v in headers.items())]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
         status_line = await asyncio.wait_for(reader.readline(), timeout)

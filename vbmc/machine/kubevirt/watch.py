@@ -37,7 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .client import KubeClient, KubeError, Unreachable
-from .streams import Hub, Response, get_json, watch_events
+from .hub import Hub
+from .streams import Response, get_json, watch_events
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
