@@ -292,7 +292,10 @@ def test_pod_process_gets_secret_env_pod_ip_and_expanded_variables(core: client.
 
     seen = wait_for(lambda: out.exists() and json.loads(out.read_text() or "null"), what="the process output")
 
-    p = core.read_namespaced_pod("p", namespace)
+    # As the kubelet does (its status manager writes the status apart from starting the containers), kubesim may
+    # start the process before the API server shows the pod's address.
+    p = wait_for(lambda: (got := core.read_namespaced_pod("p", namespace)).status.pod_ip and got,
+                 what="the pod's IP in its status")
     assert seen["PASSWORD"] == "s3cret"
     assert seen["POD_IP"] == p.status.pod_ip
     assert seen["GREETING"] == f"at {p.status.pod_ip} not $(POD_IP)"
