@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from .support import agents
 from .support.cluster import Sim, install_bmc_crd, session_ranges, start_sim
+
+
+@pytest.fixture(scope="session", autouse=True)
+def agent_logs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Agent processes log into the session's temporary directory (pytest keeps the last three sessions')."""
+    agents.LOG_DIR = tmp_path_factory.mktemp("agent-logs")
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -82,11 +83,16 @@ def stop_process(proc: subprocess.Popen[Any], log: IO[Any], timeout: float = 10)
         log.close()
 
 
+# Where agent processes write their logs: the test session's own directory (tests/conftest.py), which pytest prunes
+# as it does its other temporary directories; the system's temporary directory elsewhere (bench/).
+LOG_DIR: Path | None = None
+
+
 class AgentProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, ipmi_port: int | None = None) -> None:
         self.ipmi_port = ipmi_port or free_port(socket.SOCK_DGRAM)
         self.http_port = free_port()
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"agent-{self.http_port}.log", "w+")  # noqa: SIM115
+        self.log = open((LOG_DIR or Path(tempfile.gettempdir())) / f"agent-{self.http_port}.log", "w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vbmc", "agent", "--ipmi-address", f"127.0.0.1:{self.ipmi_port}",
              "--redfish-address", f"127.0.0.1:{self.http_port}", *args],
