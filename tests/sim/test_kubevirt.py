@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
+from kubernetes import client, watch
 
 from kubesim import cdi, kubevirt
 from kubesim.kubevirt import (
@@ -395,6 +395,34 @@ def test_start_on_manual_runs_within_seconds(custom: client.CustomObjectsApi, ap
     vm = wait_printable(custom, namespace, "vm", "Running", timeout=3)
     assert vm["status"]["ready"] is True and vm["status"]["created"] is True
     assert vm["spec"]["runStrategy"] == MANUAL
+
+
+def test_a_start_prints_stopped_starting_running_as_kubevirt_does(custom: client.CustomObjectsApi,
+                                                                   api: client.ApiClient, namespace: str) -> None:
+    """What a VM's watchers see (the agent's power state follows them): KubeVirt's VM controller prints Starting from
+    the moment it creates the VMI (isVirtualMachineStatusStarting: a VMI not yet Running, or none yet in its cache
+    while it expects one), never Stopped again on the way to Running."""
+    created = create_vm(custom, namespace, vm_manifest("vm", MANUAL))
+    wait_printable(custom, namespace, "vm", "Stopped")
+    seen: list[str] = []
+    stream = watch.Watch()
+
+    def follow() -> None:
+        for event in stream.stream(custom.list_namespaced_custom_object, "kubevirt.io", "v1", namespace,
+                                   "virtualmachines", resource_version=created["metadata"]["resourceVersion"],
+                                   timeout_seconds=10):
+            printed = event["object"].get("status", {}).get("printableStatus")
+            if printed and (not seen or seen[-1] != printed):
+                seen.append(printed)
+            if printed == "Running":
+                stream.stop()
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    assert vm_action(api, namespace, "vm", "start")[0] == 202
+    follower.join(timeout=15)
+
+    assert seen == ["Stopped", "Starting", "Running"]
 
 
 def test_stop_on_manual_keeps_manual(custom: client.CustomObjectsApi, api: client.ApiClient, namespace: str) -> None:
