@@ -255,7 +255,9 @@ def test_redfish_push_power_button_pause_and_resume(agent: AgentProcess, api: cl
     wait_for(lambda: running_vmi_uid(api, namespace), timeout=10, what="running")
     assert agent.redfish("POST", action, {"ResetType": "Pause"})[0] in (200, 202, 204)
     wait_for(lambda: printable(api, namespace) == "Paused", timeout=5, what="Paused")
-    assert agent.redfish("GET", "/redfish/v1/Systems/vm")[1]["PowerState"] == "Paused"
+    # the agent's watch hears of Paused a moment after the API server says so
+    wait_for(lambda: agent.redfish("GET", "/redfish/v1/Systems/vm")[1]["PowerState"] == "Paused", timeout=5,
+             what="the System to read Paused")
     assert agent.redfish("POST", action, {"ResetType": "Resume"})[0] in (200, 202, 204)
     wait_for(lambda: printable(api, namespace) == "Running", timeout=5, what="Running")
     assert agent.redfish("POST", action, {"ResetType": "PushPowerButton"})[0] in (200, 202, 204)
