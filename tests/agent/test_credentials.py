@@ -427,8 +427,9 @@ def test_the_agent_keeps_working_after_its_token_rotates_and_the_old_one_is_reje
     assert on.returncode == 0, on.stderr
     wait_for(lambda: running_vmi_uid(sim_api, ns), timeout=15, what="a running VMI")
     assert "Chassis Power is on" in pod_agent.ipmitool("power", "status").stdout
-    status, system = pod_agent.redfish("GET", "/redfish/v1/Systems/vm")
-    assert (status, system["PowerState"]) == (200, "On")
+    # KubeVirt's VM controller prints Running after the VMI runs, and the agent's watch hears of it after that
+    wait_for(lambda: pod_agent.redfish("GET", "/redfish/v1/Systems/vm")[1]["PowerState"] == "On", timeout=10,
+             what="Redfish to read On")
     reset = "/redfish/v1/Systems/vm/Actions/ComputerSystem.Reset"
     assert pod_agent.redfish("POST", reset, {"ResetType": "ForceOff"})[0] in (200, 202, 204)
     wait_for(lambda: get_vm(sim_api, ns)["status"].get("printableStatus") == "Stopped", timeout=15,
@@ -618,8 +619,9 @@ def test_with_a_token_ttl_pods_get_new_tokens_and_an_agent_keeps_working(tmp_pat
         on = agent.ipmitool("power", "on")
         assert on.returncode == 0, on.stderr
         wait_for(lambda: running_vmi_uid(api, "default"), timeout=15, what="a running VMI")
-        status, system = agent.redfish("GET", "/redfish/v1/Systems/vm")
-        assert (status, system["PowerState"]) == (200, "On")
+        # KubeVirt's VM controller prints Running after the VMI runs, and the agent's watch hears of it after that
+        wait_for(lambda: agent.redfish("GET", "/redfish/v1/Systems/vm")[1]["PowerState"] == "On", timeout=10,
+                 what="Redfish to read On")
         assert pod_status(api, "default", "agent")["containerStatuses"][0]["restartCount"] == 0
     finally:
         sim.stop()

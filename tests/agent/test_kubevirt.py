@@ -80,7 +80,9 @@ def test_ipmitool_power_soft_shuts_the_guest_down(agent: AgentProcess, api: clie
     assert agent.ipmitool("power", "soft").returncode == 0
     wait_for(lambda: printable(api, namespace) in ("Stopping", "Stopped"), timeout=3, what="shutting down")
     wait_for(lambda: printable(api, namespace) == "Stopped", timeout=5, what="Stopped")
-    assert "Chassis Power is off" in agent.ipmitool("power", "status").stdout
+    # the agent answers from its watch cache, which hears of Stopped a moment after the API server says so
+    wait_for(lambda: "Chassis Power is off" in agent.ipmitool("power", "status").stdout, timeout=5,
+             what="the BMC to read off")
 
 
 def test_ipmitool_power_reset_resets_the_vmi_in_place(agent: AgentProcess, api: client.ApiClient,
@@ -121,7 +123,9 @@ def test_ipmitool_bootdev_pxe_boots_the_next_vmi_from_the_interface_then_the_dis
     assert interface_boot_order(get_vmi(api, namespace)) == 1
     # The Once override is consumed: the template goes back to its original order (no bootOrder: the disk).
     wait_for(lambda: boot_orders(get_vm(api, namespace))["default"] is None, timeout=5, what="the order restored")
-    assert "Boot Device Selector : No override" in agent.ipmitool("chassis", "bootparam", "get", "5").stdout
+    # the agent clears its override record (the VirtualMachineBMC's status) after it restores the VM's order
+    wait_for(lambda: "Boot Device Selector : No override" in agent.ipmitool("chassis", "bootparam", "get", "5").stdout,
+             timeout=5, what="the override cleared")
     assert agent.ipmitool("power", "cycle").returncode == 0
     wait_for(lambda: running_vmi_uid(api, namespace) not in ("", first, second), timeout=10, what="the next boot")
     assert interface_boot_order(get_vmi(api, namespace)) is None
@@ -251,7 +255,9 @@ def test_redfish_push_power_button_pause_and_resume(agent: AgentProcess, api: cl
     wait_for(lambda: running_vmi_uid(api, namespace), timeout=10, what="running")
     assert agent.redfish("POST", action, {"ResetType": "Pause"})[0] in (200, 202, 204)
     wait_for(lambda: printable(api, namespace) == "Paused", timeout=5, what="Paused")
-    assert agent.redfish("GET", "/redfish/v1/Systems/vm")[1]["PowerState"] == "Paused"
+    # the agent's watch hears of Paused a moment after the API server says so
+    wait_for(lambda: agent.redfish("GET", "/redfish/v1/Systems/vm")[1]["PowerState"] == "Paused", timeout=5,
+             what="the System to read Paused")
     assert agent.redfish("POST", action, {"ResetType": "Resume"})[0] in (200, 202, 204)
     wait_for(lambda: printable(api, namespace) == "Running", timeout=5, what="Running")
     assert agent.redfish("POST", action, {"ResetType": "PushPowerButton"})[0] in (200, 202, 204)

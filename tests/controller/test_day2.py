@@ -229,9 +229,13 @@ def test_a_child_the_api_refuses_shows_in_ready_with_the_apis_message_and_an_eve
     ready = wait_for(refused, timeout=20, what="Ready=False ChildRejected")
     assert ready["status"] == "False"
     assert "Service vm-virtbmc" in ready["message"] and "not a key!" in ready["message"]
-    warnings = [e for e in call(api, "GET", f"/api/v1/namespaces/{namespace}/events").body["items"]
+
+    def warnings() -> list[dict[str, Any]]:
+        return [e for e in call(api, "GET", f"/api/v1/namespaces/{namespace}/events").body["items"]
                 if e["reason"] == "ChildRejected" and e["type"] == "Warning"]
-    assert warnings and "not a key!" in warnings[0]["message"]
+
+    # Events are posted off the reconcile path (controller/events.py, as client-go's broadcaster): after the status
+    assert "not a key!" in wait_for(warnings, timeout=10, what="the ChildRejected Warning")[0]["message"]
 
     # Fixing the spec heals it.
     reply = call(api, "PATCH", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{namespace}/virtualmachinebmcs/vm",

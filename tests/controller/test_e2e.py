@@ -42,9 +42,14 @@ def test_ipmitool_and_redfish_through_the_service_of_a_ready_bmc(api: client.Api
     with urllib.request.urlopen(login, context=insecure, timeout=10) as resp:
         assert resp.status == 201
         token = resp.headers["X-Auth-Token"]
-    system = urllib.request.Request(status["endpoints"]["redfish"], headers={"X-Auth-Token": token})
-    with urllib.request.urlopen(system, context=insecure, timeout=10) as resp:
-        assert json.loads(resp.read())["PowerState"] == "On"
+
+    def power_state() -> str:
+        system = urllib.request.Request(status["endpoints"]["redfish"], headers={"X-Auth-Token": token})
+        with urllib.request.urlopen(system, context=insecure, timeout=10) as resp:
+            return str(json.loads(resp.read())["PowerState"])
+
+    # the agent answers from its watch cache, which hears of Running a moment after the API server says so
+    wait_for(lambda: power_state() == "On", timeout=10, what="the System to read On")
     # The serving certificate names the Service (its DNS names and ClusterIP).
     pem = ssl.get_server_certificate((ip, 443))
     from cryptography import x509

@@ -124,9 +124,13 @@ def test_a_bad_image_updates_one_agent_halts_and_a_good_one_rolls_all_in_batches
             assert held["status"] == "False" and f"{ns}/{canary}" in held["message"], held
         assert bad.metric("kubevbmc_controller_rollout_halted") == 1
         assert bad.metric("kubevbmc_controller_agents_outdated") == FLEET - 1
-        events = call(api, "GET", f"/api/v1/namespaces/{ns}/events").body["items"]
-        assert sum(1 for e in events if e.get("reason") == "RolloutHalted" and e.get("type") == "Warning") \
-            >= FLEET - 1
+
+        def halted_warnings() -> int:
+            events = call(api, "GET", f"/api/v1/namespaces/{ns}/events").body["items"]
+            return sum(1 for e in events if e.get("reason") == "RolloutHalted" and e.get("type") == "Warning")
+
+        # Events are posted off the reconcile path (controller/events.py), one at a time, after the statuses
+        wait_for(lambda: halted_warnings() >= FLEET - 1, timeout=30, what="a RolloutHalted Warning per held BMC")
         # A BMC on an old agent still answers IPMI.
         other = next(b for b in items if b is not canary_bmc)
         host = other["status"]["clusterIP"]

@@ -62,7 +62,8 @@ def test_power_status_says_on_right_after_power_on_while_redfish_says_powering_o
         assert "Chassis Power is on" in ok(agent.ipmitool("power", "status"))
         assert "Chassis Power Control: Down/Off" in ok(agent.ipmitool("power", "off"))
         wait_for(lambda: printable(api, ns) == "Stopped", timeout=10, what="Stopped")
-        assert "Chassis Power is off" in ok(agent.ipmitool("power", "status"))
+        # the agent's watch hears of Stopped a moment after the API server says so
+        wait_for(lambda: "Chassis Power is off" in ok(agent.ipmitool("power", "status")), timeout=5, what="off")
 
 
 def test_a_vm_started_elsewhere_reads_off_until_it_runs(slow_sim: Sim) -> None:
@@ -177,13 +178,14 @@ def test_maas_power_driver_command_lines(agent: AgentProcess, api: client.ApiCli
     # power off, soft: an ACPI shutdown
     assert "ok" in maas_state(maas(agent, "ipmipower", "--soft"))
     wait_for(lambda: printable(api, namespace) == "Stopped", timeout=10, what="Stopped")
-    assert maas_state(maas(agent, "ipmipower", "--stat")) == "off"
+    # the agent's watch hears of Stopped a moment after the API server says so
+    wait_for(lambda: maas_state(maas(agent, "ipmipower", "--stat")) == "off", timeout=5, what="off")
     # power on again (cycle of an off machine powers it on), then the hard power off
     assert "ok" in maas_state(maas(agent, "ipmipower", "--cycle", "--on-if-off"))
     wait_for(lambda: printable(api, namespace) == "Running", timeout=10, what="Running")
     assert "ok" in maas_state(maas(agent, "ipmipower", "--off"))
     wait_for(lambda: printable(api, namespace) == "Stopped", timeout=10, what="Stopped")
-    assert maas_state(maas(agent, "ipmipower", "--stat")) == "off"
+    wait_for(lambda: maas_state(maas(agent, "ipmipower", "--stat")) == "off", timeout=5, what="off")
 
 
 # ---- Tinkerbell bmclib (Rufio)
@@ -213,4 +215,6 @@ def test_bmclib_ipmitool_provider(agent: AgentProcess, api: client.ApiClient, na
     wait_for(lambda: printable(api, namespace) == "Running", timeout=10, what="Running after the cycle")
     assert "Chassis Power Control: Down/Off" in bmclib(agent, cipher, "chassis", "power", "off")
     wait_for(lambda: printable(api, namespace) == "Stopped", timeout=10, what="Stopped")
-    assert bmclib(agent, cipher, "chassis", "power", "status").startswith("Chassis Power is off")
+    # the agent's watch hears of Stopped a moment after the API server says so
+    wait_for(lambda: bmclib(agent, cipher, "chassis", "power", "status").startswith("Chassis Power is off"),
+             timeout=5, what="off")

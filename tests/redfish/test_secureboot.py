@@ -94,8 +94,9 @@ def test_sushy_enables_secure_boot_with_smm_from_the_next_boot(agent: AgentProce
     system.reset_system(sushy.ResetType.ON)
     wait_for(lambda: running_vmi_uid(api, namespace), timeout=10, what="the VM to run")
     assert bootloader(get_vmi(api, namespace), template=False)["efi"]["secureBoot"] is True
-    secure.refresh()
-    assert (secure.enabled, secure.current_boot) == (True, sushy.SecureBootCurrentBoot.ENABLED)
+    # the agent's VMI watch hears of the running VMI a moment after the API server says so
+    wait_for(lambda: (secure.refresh(), (secure.enabled, secure.current_boot))[1]
+             == (True, sushy.SecureBootCurrentBoot.ENABLED), timeout=5, what="the current boot secure")
     assert secure.mode == sushy.SecureBootMode.USER
 
     secure.set_enabled(False)  # the next boot; the running one keeps what it booted with
@@ -159,8 +160,9 @@ def test_ipmitool_plain_bootdev_pxe_boots_bios_once_then_the_vm_is_uefi_again(
     # consumed: the firmware comes back with the boot order, secure boot included
     wait_for(lambda: "efi" in bootloader(get_vm(api, namespace)), timeout=5, what="UEFI restored")
     assert bootloader(get_vm(api, namespace))["efi"]["secureBoot"] is True
-    boot = agent.redfish("GET", "/redfish/v1/Systems/vm")[1]["Boot"]
-    assert (boot["BootSourceOverrideEnabled"], boot["BootSourceOverrideMode"]) == ("Disabled", "UEFI")
+    # the agent clears its override record (the VirtualMachineBMC's status) after it restores the VM's firmware
+    wait_for(lambda: (boot := agent.redfish("GET", "/redfish/v1/Systems/vm")[1]["Boot"])["BootSourceOverrideEnabled"]
+             == "Disabled" and boot["BootSourceOverrideMode"] == "UEFI", timeout=5, what="the override cleared")
     assert agent.redfish("GET", SECURE_BOOT)[1]["SecureBootEnable"] is True
 
 

@@ -625,7 +625,7 @@ def test_a_stopping_vm_is_printed_stopping(custom: client.CustomObjectsApi, api:
 
     vm_action(api, namespace, "vm", "stop")
 
-    wait_printable(custom, namespace, "vm", "Stopping", timeout=0.45)
+    wait_printable(custom, namespace, "vm", "Stopping")  # printed only while the guest shuts down (0.5 s here)
     wait_printable(custom, namespace, "vm", "Stopped")
 
 
