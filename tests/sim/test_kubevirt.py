@@ -32,7 +32,7 @@ from kubesim.kubevirt import (
     VmiState,
 )
 
-from ..support.cluster import wait_for
+from ..support.cluster import start_sim, wait_for
 
 Obj = dict[str, Any]
 RUNNING_VMI = VmiState(uid="u1", phase="Running", grace_period=30)
@@ -593,30 +593,48 @@ def test_dry_run_start_changes_nothing(custom: client.CustomObjectsApi, api: cli
 # ---------------------------------------------------------------- timings
 
 
+SHUTDOWN = 4.0  # the guest's ACPI shutdown in `slow_stops`: long enough that no reconcile delay looks like one
+
+
+@pytest.fixture(scope="module")
+def slow_stops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[client.CustomObjectsApi, client.ApiClient]]:
+    """A cluster whose guests take SHUTDOWN seconds to shut down, so that a stop that skips the shutdown shows
+    whatever the machine's load (the session's cluster takes 0.5 s)."""
+    s = start_sim(tmp_path_factory.mktemp("kubesim-slow-stops"), "--vm-start-delay", "0.3", "--vm-stop-delay",
+                  str(SHUTDOWN))
+    api = s.api()
+    core = client.CoreV1Api(api)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="stops")))
+    yield client.CustomObjectsApi(api), api
+    s.stop()
+
+
 def _time_stop(custom: client.CustomObjectsApi, api: client.ApiClient, ns: str, name: str, body: Any) -> float:
     began = time.monotonic()
     assert vm_action(api, ns, name, "stop", body)[0] == 202
-    wait_for(lambda: get_vmi(custom, ns, name) is None, 5, interval=0.01, what="the VMI gone")
+    wait_for(lambda: get_vmi(custom, ns, name) is None, 3 * SHUTDOWN, interval=0.01, what="the VMI gone")
     return time.monotonic() - began
 
 
 def test_graceful_stop_takes_the_shutdown_time_and_forced_stop_does_not(
-        custom: client.CustomObjectsApi, api: client.ApiClient, namespace: str) -> None:
-    running_vm(custom, api, namespace, vm_manifest("graceful", MANUAL))
-    running_vm(custom, api, namespace, vm_manifest("forced", MANUAL))
+        slow_stops: tuple[client.CustomObjectsApi, client.ApiClient]) -> None:
+    custom, api = slow_stops
+    running_vm(custom, api, "stops", vm_manifest("graceful", MANUAL))
+    running_vm(custom, api, "stops", vm_manifest("forced", MANUAL))
 
-    graceful = _time_stop(custom, api, namespace, "graceful", None)
-    forced = _time_stop(custom, api, namespace, "forced", {"gracePeriod": 0})
+    graceful = _time_stop(custom, api, "stops", "graceful", None)
+    forced = _time_stop(custom, api, "stops", "forced", {"gracePeriod": 0})
 
-    assert graceful >= 0.45
-    assert forced < graceful and forced < 0.4
+    assert graceful >= SHUTDOWN
+    assert forced < SHUTDOWN / 2
 
 
 def test_stop_never_waits_longer_than_the_termination_grace_period(
-        custom: client.CustomObjectsApi, api: client.ApiClient, namespace: str) -> None:
-    running_vm(custom, api, namespace, vm_manifest("vm", MANUAL, terminationGracePeriodSeconds=0))
+        slow_stops: tuple[client.CustomObjectsApi, client.ApiClient]) -> None:
+    custom, api = slow_stops
+    running_vm(custom, api, "stops", vm_manifest("vm", MANUAL, terminationGracePeriodSeconds=0))
 
-    assert _time_stop(custom, api, namespace, "vm", None) < 0.4
+    assert _time_stop(custom, api, "stops", "vm", None) < SHUTDOWN / 2
 
 
 def test_a_stopping_vm_is_printed_stopping(custom: client.CustomObjectsApi, api: client.ApiClient,
