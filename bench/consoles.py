@@ -113,7 +113,7 @@ def main() -> int:
     from vbmc.machine.screen import ScreenHub
 
     workdir = tempfile.mkdtemp(prefix="bench-consoles-")
-    proc, config = start_sim(workdir)
+    proc, config, _ = start_sim(workdir)
     kubeconfig = os.path.join(workdir, "kubeconfig")
     try:
         kube = KubeClient(load_credentials(kubeconfig))
