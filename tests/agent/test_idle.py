@@ -20,19 +20,15 @@ from kubernetes import client
 from vbmc.machine.kubevirt.watch import STALE_AFTER
 
 from ..support.agents import AgentProcess, running_agent
-from ..support.cluster import Sim, call, install_bmc_crd, start_sim, wait_for
+from ..support.cluster import Sim, bmc_sim, call, wait_for
 from ..support.vms import make_bmc, make_vm
 
 
 @pytest.fixture(scope="module")
 def quiet_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     """A kubesim whose only client is the agent under test."""
-    sim = start_sim(tmp_path_factory.mktemp("idle-sim"), "--bookmark-interval", "60")
-    try:
-        install_bmc_crd(sim.api())
+    with bmc_sim(tmp_path_factory.mktemp("idle-sim"), "--bookmark-interval", "60") as sim:
         yield sim
-    finally:
-        sim.stop()
 
 
 def agent_requests(api: client.ApiClient) -> dict[tuple[str, str, str], float]:

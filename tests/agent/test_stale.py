@@ -35,7 +35,7 @@ from kubernetes import client
 from vbmc.machine.kubevirt.watch import STALE_AFTER, same_state
 
 from ..support.agents import PASSWORD, USER, AgentProcess
-from ..support.cluster import Sim, call, install_bmc_crd, start_sim, wait_for
+from ..support.cluster import Sim, bmc_sim, call, wait_for
 from ..support.vms import make_bmc, make_vm, running_vmi_uid
 
 FREEZE_DEADLINE = 3 * STALE_AFTER  # generous: the bound is STALE_AFTER, the machine is shared and noisy
@@ -74,13 +74,11 @@ def chassis_status(agent: AgentProcess) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def slow_bookmark_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     """A kubesim of its own (this module freezes it), bookmarking idle watches once a minute like kube-apiserver."""
-    sim = start_sim(tmp_path_factory.mktemp("stale-sim"), "--bookmark-interval", "60")
-    try:
-        install_bmc_crd(sim.api())
-        yield sim
-    finally:
-        os.kill(sim.process.pid, signal.SIGCONT)
-        sim.stop()
+    with bmc_sim(tmp_path_factory.mktemp("stale-sim"), "--bookmark-interval", "60") as sim:
+        try:
+            yield sim
+        finally:
+            os.kill(sim.process.pid, signal.SIGCONT)
 
 
 @pytest.fixture

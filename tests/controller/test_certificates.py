@@ -27,7 +27,7 @@ from controller.reconciler import Reconciler, Result
 from controller.settings import Settings, add_arguments, settings_from
 from controller.status import Observed, desired_status, status_patch
 
-from ..support.cluster import Sim, call, install_bmc_crd, start_sim, wait_for
+from ..support.cluster import Sim, bmc_sim, call, wait_for
 from ..support.controllers import (
     BMCS,
     ControllerProcess,
@@ -258,12 +258,8 @@ def test_the_ca_secret_is_a_controlled_child_named_from_the_vm(ca: KeyPair) -> N
 
 @pytest.fixture(scope="module")
 def own_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
-    sim = start_sim(tmp_path_factory.mktemp("certs-kubesim"), "--vm-start-delay", "0.3", "--vm-stop-delay", "0.3")
-    try:
-        install_bmc_crd(sim.api())
+    with bmc_sim(tmp_path_factory.mktemp("certs-kubesim"), "--vm-start-delay", "0.3", "--vm-stop-delay", "0.3") as sim:
         yield sim
-    finally:
-        sim.stop()
 
 
 def new_namespace(api: client.ApiClient) -> str:

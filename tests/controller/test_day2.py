@@ -21,7 +21,7 @@ from controller.reconciler import difference
 from controller.spec import BMCSpec
 from controller.status import Observed, conditions_of
 
-from ..support.cluster import Sim, call, install_bmc_crd, start_sim, wait_for
+from ..support.cluster import Sim, bmc_sim, call, wait_for
 from ..support.controllers import (
     ControllerProcess,
     apply_bmc,
@@ -134,10 +134,8 @@ BMC_COUNT = 60
 def quiet_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     """A cluster of its own: pods Ready without agent processes (the fake kubelet), so many BMCs fit; bookmarks
     as kube-apiserver sends them."""
-    s = start_sim(tmp_path_factory.mktemp("kubesim-day2"), "--kubelet", "fake", "--bookmark-interval", "60")
-    install_bmc_crd(s.api())
-    yield s
-    s.stop()
+    with bmc_sim(tmp_path_factory.mktemp("kubesim-day2"), "--kubelet", "fake", "--bookmark-interval", "60") as s:
+        yield s
 
 
 def cluster_rv(api: client.ApiClient) -> int:

@@ -16,7 +16,7 @@ import pytest
 from kubernetes import client
 
 from ..support.agents import PASSWORD, USER, AgentProcess, agent_for_vm
-from ..support.cluster import Sim, call, install_bmc_crd, start_sim, wait_for
+from ..support.cluster import Sim, bmc_sim, call, wait_for
 from ..support.vms import get_vm, get_vmi, printable, running_vmi_uid
 
 SUBRESOURCES = "/apis/subresources.kubevirt.io/v1/namespaces/{ns}/virtualmachines/vm/{action}"
@@ -40,11 +40,9 @@ def ok(result: subprocess.CompletedProcess[str]) -> str:
 @pytest.fixture(scope="module")
 def slow_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     """A cluster whose VMs take 2 s from start to Running, as a real one takes longer still."""
-    s = start_sim(tmp_path_factory.mktemp("kubesim-slow"), "--vm-start-delay", "2", "--vm-stop-delay", "0.5",
-                  "--bookmark-interval", "0.5")
-    install_bmc_crd(s.api())
-    yield s
-    s.stop()
+    with bmc_sim(tmp_path_factory.mktemp("kubesim-slow"), "--vm-start-delay", "2", "--vm-stop-delay", "0.5",
+                 "--bookmark-interval", "0.5") as s:
+        yield s
 
 
 def test_power_status_says_on_right_after_power_on_while_redfish_says_powering_on(slow_sim: Sim) -> None:

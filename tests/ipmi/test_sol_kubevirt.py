@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 
 from ..support.agents import PASSWORD, USER, AgentProcess, agent_for_vm, ipmitool_argv, low_udp_port
-from ..support.cluster import Sim, call, install_bmc_crd, start_sim, wait_for
+from ..support.cluster import Sim, bmc_sim, call, wait_for
 from ..support.vms import printable, running_vmi_uid
 from .test_sol import OPERATIONAL
 
@@ -23,10 +23,8 @@ def own_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     """A kubesim of this module's own, with no controller: the session's controller would give each
     VirtualMachineBMC a Service address, and the agent would then name the Service's port 623 for SOL, which these
     tests, talking to the agent's own port, do not use."""
-    sim = start_sim(tmp_path_factory.mktemp("sol-sim"))
-    install_bmc_crd(sim.api())
-    yield sim
-    sim.stop()
+    with bmc_sim(tmp_path_factory.mktemp("sol-sim")) as sim:
+        yield sim
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from kubernetes import client
 from vbmc.web import SERIAL_URI
 
 from ..support.agents import PASSWORD, USER, AgentProcess, agent_for_vm, low_udp_port
-from ..support.cluster import Sim, install_bmc_crd, start_sim, wait_for
+from ..support.cluster import Sim, bmc_sim, wait_for
 from ..support.vms import running_vmi_uid
 from .test_sol_kubevirt import PROMPT, ipmitool_line, run, sol
 
@@ -33,10 +33,8 @@ RESET_EVERY = 4.0  # seconds between resets; each prints the boot text again whi
 
 @pytest.fixture(scope="module")
 def own_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
-    sim = start_sim(tmp_path_factory.mktemp("sol-stress-sim"))
-    install_bmc_crd(sim.api())
-    yield sim
-    sim.stop()
+    with bmc_sim(tmp_path_factory.mktemp("sol-stress-sim")) as sim:
+        yield sim
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ hand two pods the same address. KUBEVBMC_TEST_SLOT=N picks slot N instead.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import json
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -184,6 +185,18 @@ def install_bmc_crd(api: client.ApiClient) -> None:
                  yaml.safe_load(BMC_CRD.read_text()))
     assert reply.status in (201, 409), reply.body
     wait_for(lambda: call(api, "GET", "/apis/bmc.kubevirt.io/v1beta1").status == 200, what="CRD served")
+
+
+@contextlib.contextmanager
+def bmc_sim(workdir: Path, *flags: str) -> Iterator[Sim]:
+    """A kubesim of a test module's own (`start_sim` with `flags`) serving the VirtualMachineBMC CRD, stopped at
+    exit."""
+    sim = start_sim(workdir, *flags)
+    try:
+        install_bmc_crd(sim.api())
+        yield sim
+    finally:
+        sim.stop()
 
 
 def signal_other_thread(pid: int, signum: int) -> int:
