@@ -1,11 +1,11 @@
 # The one KubeVBMC image: its entry point is the `kubevbmc` command, so the controller's Deployment runs it with
 # `controller ...` and every agent Deployment (made by the controller from --agent-image) with `agent ...`.
 #
-#   make image                  (scripts/image.sh: podman/buildah or Docker, a local Debian base if none can be pulled)
+#   make image                  (scripts/image.py: podman/buildah or Docker, a local Debian base if none can be pulled)
 #   docker build -t kubevbmc:dev .
 #
 # Both stages stand on Debian's own image and Debian's Python 3.11: a machine that cannot pull the base builds the
-# same thing from Debian's packages (mmdebstrap, scripts/image.sh), so the image tested here is the one released.
+# same thing from Debian's packages (mmdebstrap, scripts/image.py), so the image tested here is the one a release builds.
 # The builder makes a wheel of the project and installs it, with the runtime dependencies pinned by
 # constraints.txt and none of the `sim`, `test` or `bench` extras, into a virtualenv at /opt/kubevbmc; the final
 # stage adds Debian's python3 to the base and holds only that virtualenv.
@@ -52,7 +52,7 @@ RUN /opt/kubevbmc/bin/pip uninstall --yes --quiet pip setuptools \
  && /opt/kubevbmc/bin/python -c "import importlib.metadata as m; print(*sorted(f'{d.name}=={d.version}' for d in m.distributions()), sep='\n')" > /opt/kubevbmc/share/kubevbmc/python-packages.txt
 
 FROM ${BASE}
-ARG VERSION=0.1.0
+ARG VERSION=0.2.0
 ARG SOURCE_DATE_EPOCH=1700000000
 ARG DEBIAN_SNAPSHOT=""
 ARG BASE

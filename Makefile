@@ -29,8 +29,12 @@ clients:
 image: venv
 	$(BIN)/python scripts/image.py
 
+# The tests on TEST_WORKERS processes (pytest-xdist), a test module each at a time (a module's fixtures, such as its
+# own kubesim or the Ironic lab, live in one process), the slowest modules first (tests/conftest.py); each worker
+# claims its own loopback slot. The slowest tests are listed at the end.
+TEST_WORKERS ?= 3
 unit: venv clients
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations 25
 
 # Lint, type-check, then every test (real clients included, installed when missing: a missing one fails, never skips).
 test: lint unit

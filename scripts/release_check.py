@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Before a release (.github/workflows/release.yml): the tag must be v<the package's version>, the chart's
-appVersion that version, and the chart's default images (controller and agents) the image the workflow pushes.
+"""Before a release (.github/workflows/release.yml): the tag must be v<the package's version>, the chart's version
+and appVersion that version, and the chart's default images (controller and agents) the image the workflow pushes.
 Prints what the workflow needs as `key=value` lines (GitHub's step outputs): version, chart_version and
 source_date_epoch (the tagged commit's time). Exits 1 with the reason when something disagrees."""
 
@@ -25,8 +25,9 @@ def problems(tag: str, image: str, version: str, chart: dict[str, Any], values: 
     found = []
     if tag != f"v{version}":
         found.append(f"the tag {tag} is not v{version}, the version in pyproject.toml")
-    if chart.get("appVersion") != version:
-        found.append(f"charts/kubevbmc/Chart.yaml has appVersion {chart.get('appVersion')!r}, not {version!r}")
+    for field in ("version", "appVersion"):  # one version for the package, the image and the chart
+        if chart.get(field) != version:
+            found.append(f"charts/kubevbmc/Chart.yaml has {field} {chart.get(field)!r}, not {version!r}")
     for key, settings in (("image", values.get("image")), ("agent.image", (values.get("agent") or {}).get("image"))):
         repository = settings.get("repository") if isinstance(settings, dict) else None
         tag_value = settings.get("tag") if isinstance(settings, dict) else None

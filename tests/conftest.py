@@ -4,6 +4,8 @@ session's one controller and a loopback image server. The helpers they use live 
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -11,8 +13,49 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from .support import agents
+from .support import agents, processes
 from .support.cluster import Sim, install_bmc_crd, session_ranges, start_sim
+
+# The slowest modules, started first: make test runs each module on one of its workers (pytest-xdist's loadfile),
+# handing them out in this order, so that the longest do not start last and leave the other workers idle.
+SLOWEST_FIRST = [
+    "tests/ironic/test_ironic.py",  # about 3.5 minutes: every Ironic workflow, with 40 s imports
+    "tests/project/test_containers.py",  # the image, then the chart's controller and agents as containers
+    "tests/controller/test_fleet.py",  # a rollout in batches, halted and resumed
+    "tests/ipmi/test_sol_stress.py",
+    "tests/controller/test_certificates.py",
+    "tests/controller/test_failover.py",
+    "tests/project/test_image.py",
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return SLOWEST_FIRST.index(path) if path in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+    items.sort(key=rank)  # stable: within a module, and among the others, the order stays
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_outlives_the_session() -> Iterator[None]:
+    """Set up first, so torn down last: when every other fixture has stopped what it started, no process this pytest
+    process started may still run (an error on the session's last test if one does; it is killed)."""
+    yield
+    left = wait_for_no_descendants(os.getpid())
+    if left:
+        processes.kill_all(left)
+        raise AssertionError("processes outlived the tests that started them (killed now): "
+                             + "; ".join(f"{p.pid} {p.command}" for p in left))
+
+
+def wait_for_no_descendants(pid: int) -> list[processes.Proc]:
+    """The descendants of `pid` still running after they had a few seconds to finish exiting (a process that got
+    SIGTERM from a fixture's teardown may still be closing its files)."""
+    deadline = time.monotonic() + 10
+    while (left := processes.descendants(pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,6 +3,8 @@
 It starts kubesim (with its kubelet running agent pods as local processes and its Service proxy on 127.0.0.0/8),
 installs the VirtualMachineBMC CRD, runs the controller, creates N sample VMs with a cdrom disk, their Secrets and
 VirtualMachineBMCs, waits until every BMC is Ready, prints how to reach each, then `ready`, and runs until Ctrl-C.
+Its kubeconfig and logs go to a temporary folder that is removed when it stops (however it stops: Ctrl-C, SIGTERM,
+or a start that failed), unless `--workdir` names a folder: that one is kept, and the demo says so as it stops.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import importlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "per VM")
     parser.add_argument("--namespace", default="default")
     parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="kubesim's API address")
-    parser.add_argument("--workdir", default="", help="where the kubeconfig and logs go (default: a temp dir)")
+    parser.add_argument("--workdir", default="",
+                        help="where the kubeconfig and logs go, kept after the demo stops (default: a temporary "
+                             "folder, removed when it stops)")
     parser.add_argument("--timeout", type=float, default=60, help="seconds to wait for the BMCs to be Ready")
     parser.add_argument("--pod-cidr", default="127.1.0.0/16")
     parser.add_argument("--service-cidr", default="127.2.0.0/16", help="where the BMCs' addresses come from")
@@ -97,6 +102,20 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print(SIM_MISSING, file=sys.stderr)
         return 1
+    keep = bool(args.workdir)  # a folder the user named is theirs: kept; a temporary one goes when the demo stops
+    workdir = Path(args.workdir) if keep else Path(tempfile.mkdtemp(prefix="kubevbmc-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(args, workdir, keep, stop)
+    finally:
+        if keep:
+            print(f"kubevbmc demo: logs and kubeconfig kept in {workdir}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, workdir: Path, keep: bool, stop: threading.Event) -> int:
+    """The demo in `workdir`, until `stop` is set; it stops everything it started, and leaves `workdir` to run()."""
     import yaml
 
     from kubesim.cli import config_of as sim_config
@@ -104,8 +123,6 @@ def run(args: argparse.Namespace) -> int:
 
     from .machine.kubevirt.client import KubeClient, KubeError, load_credentials
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kubevbmc-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
     # kubesim's own defaults, but for what the demo chooses (bookmarks every 5 s: the agents' watches show life
     # sooner than a real API server's minute).
     cluster = Cluster(sim_config([
@@ -160,6 +177,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubeconfig: {cluster.kubeconfig}")
         print(f"logs: agents in {workdir / 'pods'}/ (one file per pod), controller in "
               f"{workdir / 'controller.log'}")
+        if keep:
+            print(f"the kubeconfig and the logs stay in {workdir} after the demo stops")
+        else:
+            print(f"the kubeconfig and the logs are in a temporary folder, {workdir}, removed when the demo stops "
+                  "(--workdir DIR keeps them)")
         print()
         print("try:")
         print(f"  ipmitool -I lanplus -H {host} -U {USERNAME} -P {PASSWORD} power status")
@@ -176,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
             pass
         return 0
     except TimeoutError as exc:
-        print(f"kubevbmc demo: {exc} (logs in {workdir})", file=sys.stderr)
+        where = f"logs in {workdir}" if keep else "its logs go with its temporary folder; --workdir DIR keeps them"
+        print(f"kubevbmc demo: {exc} ({where})", file=sys.stderr)
         return 1
     except Interrupted:
         print("kubevbmc demo: interrupted during start-up; stopped", file=sys.stderr)

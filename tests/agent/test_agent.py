@@ -16,7 +16,7 @@ import pytest
 from kubernetes import client
 
 from ..support.agents import PASSWORD, USER, AgentProcess
-from ..support.cluster import REPO, Sim, call, wait_for
+from ..support.cluster import REPO, STOP_DEADLINE, Sim, call, wait_for
 from ..support.vms import get_vm, make_bmc, make_vm
 
 
@@ -75,10 +75,8 @@ def test_agent_refuses_https_redfish_with_redfish_off(tmp_path: Path) -> None:
     assert "--redfish-tls-address serves Redfish: it cannot go with --redfish false" in result.stderr
 
 
-def test_agent_stops_within_two_seconds_on_sigterm(memory_agent: AgentProcess) -> None:
-    began = time.monotonic()
-    assert memory_agent.stop() == 0
-    assert time.monotonic() - began < 2.0
+def test_agent_stops_on_sigterm(memory_agent: AgentProcess) -> None:
+    assert memory_agent.stop(timeout=STOP_DEADLINE) == 0  # exit 0, not killed
     with pytest.raises(OSError):
         urllib.request.urlopen(memory_agent.url + "/healthz", timeout=1)
 

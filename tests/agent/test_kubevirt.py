@@ -8,7 +8,6 @@ and its VMI in the cluster.
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,8 +15,6 @@ import pytest
 import sushy
 from kubernetes import client
 from pyghmi.ipmi import command as pyghmi_command
-
-from vbmc.ipmi.server import WRITE_DEADLINE
 
 from ..support.agents import PASSWORD, USER, AgentProcess, agent_for_vm, sushy_at
 from ..support.cluster import Sim, call, wait_for
@@ -138,20 +135,16 @@ def test_ipmitool_bootdev_pxe_boots_the_next_vmi_from_the_interface_then_the_dis
 def test_ipmitool_bootdev_succeeds_within_the_ipmi_deadline(agent: AgentProcess, api: client.ApiClient,
                                                             namespace: str, command: tuple[str, ...]) -> None:
     # ipmitool exits 0 from `chassis bootdev` even when the BMC answers 0xC0, so look at what it prints.
-    started = time.monotonic()
+    # A write that took longer than the IPMI deadline would have been answered Node busy (0xC0): "rsp=0xc0"
     result = agent.ipmitool(*command)
-    elapsed = time.monotonic() - started
     assert result.returncode == 0 and "failed" not in result.stderr and "rsp=" not in result.stderr, result.stderr
-    assert elapsed < WRITE_DEADLINE, f"{elapsed:.2f} s: the BMC would have answered Node busy"
     assert boot_orders(get_vm(api, namespace))["default"] == 1
     assert "Boot Device Selector : Force PXE" in agent.ipmitool("chassis", "bootparam", "get", "5").stdout
-    # A second override (the record already exists) is as quick, and so is clearing it.
-    started = time.monotonic()
+    # A second override (the record already exists) is within the deadline too, and so is clearing it.
     result = agent.ipmitool("chassis", "bootdev", "disk", "options=persistent")
     assert result.returncode == 0 and not result.stderr, result.stderr
     result = agent.ipmitool("chassis", "bootdev", "none")
     assert result.returncode == 0 and not result.stderr, result.stderr
-    assert time.monotonic() - started < 2 * WRITE_DEADLINE
     assert boot_orders(get_vm(api, namespace)) == {"root": None, "cdrom": None, "default": None}
 
 

@@ -343,8 +343,7 @@ def test_work_queue_backs_off_per_key_exponentially_up_to_a_cap() -> None:
     assert [q.add_rate_limited("k") for _ in range(4)] == [0.01, 0.02, 0.04, 0.04]
     q.forget("k")
     assert q.add_rate_limited("k") == 0.01
-    began = time.monotonic()
-    assert q.get(1.0) == "k" and time.monotonic() - began < 0.5
+    assert q.get(30.0) == "k"  # after its 0.01 s: a deadline that only catches a key never handed out
 
 
 def test_work_queue_keeps_one_delayed_add_per_key_the_earliest() -> None:

@@ -4,6 +4,7 @@ configuration parameters, and the packet protocol (sol.SolLink) on its own."""
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Iterator
 
 import pexpect
@@ -40,7 +41,7 @@ def ipmitool_command(bmc: IpmiServer, *args: str) -> str:
 @pytest.fixture
 def console(bmc: IpmiServer) -> Iterator[pexpect.spawn]:
     """`ipmitool sol activate` in a pseudo-terminal, as Ironic's socat console runs it."""
-    child = pexpect.spawn(ipmitool_command(bmc, "sol", "activate"), timeout=10)
+    child = pexpect.spawn(ipmitool_command(bmc, "sol", "activate"), timeout=60)
     child.expect_exact(OPERATIONAL)
     wait_for(lambda: bmc._sol is not None and bmc._sol.link.available, timeout=5, what="the serial line attached")
     yield child
@@ -86,8 +87,8 @@ def test_one_sol_session_per_vm_and_deactivate_ends_it(console: pexpect.spawn, b
     assert bmc._sol is None
     # ipmitool notices at its next keystroke: nothing acknowledges it any more
     console.send("x")
-    console.expect_exact("SOL session closed by BMC", timeout=30)
-    console.expect(pexpect.EOF, timeout=5)
+    console.expect_exact("SOL session closed by BMC", timeout=60)
+    console.expect(pexpect.EOF, timeout=60)
     out, status = pexpect.run(ipmitool_command(bmc, "sol", "deactivate"), timeout=15, withexitstatus=True)
     assert status == 1 and b"SOL payload already de-activated" in out
 
@@ -95,16 +96,16 @@ def test_one_sol_session_per_vm_and_deactivate_ends_it(console: pexpect.spawn, b
 def test_the_escape_sequence_ends_sol_and_frees_it(console: pexpect.spawn, bmc: IpmiServer) -> None:
     console.send("\r~.")
     console.expect_exact("[terminated ipmitool]")
-    console.expect(pexpect.EOF, timeout=10)
+    console.expect(pexpect.EOF, timeout=60)
     wait_for(lambda: bmc._sol is None, timeout=5, what="SOL deactivated")
-    again = pexpect.spawn(ipmitool_command(bmc, "sol", "activate"), timeout=10)
+    again = pexpect.spawn(ipmitool_command(bmc, "sol", "activate"), timeout=60)
     again.expect_exact(OPERATIONAL)
     again.close(force=True)
 
 
 def test_a_powered_off_vm_attaches_when_it_powers_on(bmc: IpmiServer, machine: MemoryMachine) -> None:
     machine.reset(ResetType.FORCE_OFF)
-    child = pexpect.spawn(ipmitool_command(bmc, "sol", "activate"), timeout=10)
+    child = pexpect.spawn(ipmitool_command(bmc, "sol", "activate"), timeout=60)
     try:
         child.expect_exact(OPERATIONAL)  # a serial line with nothing on it yet, as on a server that is off
         assert bmc._sol is not None and not bmc._sol.link.available
@@ -127,7 +128,7 @@ def test_a_vm_without_a_serial_console_refuses_sol(bmc: IpmiServer, machine: Mem
 def test_ipmiconsole_reaches_the_console_and_hears_the_deactivation(bmc: IpmiServer,
                                                                      machine: MemoryMachine) -> None:
     host, port = bmc.address
-    child = pexpect.spawn(require("ipmiconsole"), ["-h", f"{host}:{port}", "-u", USER, "-p", PASSWORD], timeout=10)
+    child = pexpect.spawn(require("ipmiconsole"), ["-h", f"{host}:{port}", "-u", USER, "-p", PASSWORD], timeout=60)
     try:
         child.expect_exact("[SOL established]")
         wait_for(lambda: bmc._sol is not None and bmc._sol.link.available, timeout=5, what="attached")
@@ -138,15 +139,18 @@ def test_ipmiconsole_reaches_the_console_and_hears_the_deactivation(bmc: IpmiSer
         out, status = pexpect.run(ipmitool_command(bmc, "sol", "deactivate"), timeout=15, withexitstatus=True)
         assert status == 0, out
         child.expect_exact("[SOL session stolen]")  # freeipmi reads the "SOL deactivating" status bit
-        child.expect(pexpect.EOF, timeout=10)
+        child.expect(pexpect.EOF, timeout=60)
     finally:
         child.close(force=True)
 
 
 def test_closing_the_session_frees_sol(bmc: IpmiServer) -> None:
-    child = pexpect.spawn(ipmitool_command(bmc, "sol", "activate"), timeout=10)
+    child = pexpect.spawn(ipmitool_command(bmc, "sol", "activate"), timeout=60)
     child.expect_exact(OPERATIONAL)
-    child.close(force=True)  # killed: no Deactivate Payload, no Close Session
+    # Killed: no Deactivate Payload, no Close Session. SIGKILL, not the SIGHUP of closing its terminal: a launcher
+    # that ignores SIGHUP (nohup) passes that on, and ipmitool then reads the end of its input and deactivates.
+    child.kill(signal.SIGKILL)
+    child.close(force=True)
     assert bmc._sol is not None
     session = bmc._sol.session
     bmc.close(session)  # what the idle timeout or a Close Session does

@@ -117,13 +117,17 @@ IMAGE = "ghcr.io/kubevbmc/kubevbmc"
 GOOD_VALUES = {"image": {"repository": IMAGE, "tag": ""}, "agent": {"image": {"repository": IMAGE, "tag": ""}}}
 
 
+GOOD_CHART = {"version": "1.2.3", "appVersion": "1.2.3"}
+
+
 @pytest.mark.parametrize(("tag", "chart", "values", "complaint"), [
-    ("v1.2.3", {"appVersion": "1.2.3"}, GOOD_VALUES, None),
-    ("1.2.3", {"appVersion": "1.2.3"}, GOOD_VALUES, "the tag 1.2.3 is not v1.2.3"),
-    ("v1.2.3", {"appVersion": "1.2.2"}, GOOD_VALUES, "has appVersion '1.2.2', not '1.2.3'"),
-    ("v1.2.3", {"appVersion": "1.2.3"}, {**GOOD_VALUES, "image": {"repository": "quay.io/x/y", "tag": ""}},
+    ("v1.2.3", GOOD_CHART, GOOD_VALUES, None),
+    ("1.2.3", GOOD_CHART, GOOD_VALUES, "the tag 1.2.3 is not v1.2.3"),
+    ("v1.2.3", {**GOOD_CHART, "appVersion": "1.2.2"}, GOOD_VALUES, "has appVersion '1.2.2', not '1.2.3'"),
+    ("v1.2.3", {**GOOD_CHART, "version": "1.3.0"}, GOOD_VALUES, "has version '1.3.0', not '1.2.3'"),
+    ("v1.2.3", GOOD_CHART, {**GOOD_VALUES, "image": {"repository": "quay.io/x/y", "tag": ""}},
      "values.yaml image.repository is 'quay.io/x/y'"),
-    ("v1.2.3", {"appVersion": "1.2.3"}, {**GOOD_VALUES, "agent": {"image": {"repository": IMAGE, "tag": "dev"}}},
+    ("v1.2.3", GOOD_CHART, {**GOOD_VALUES, "agent": {"image": {"repository": IMAGE, "tag": "dev"}}},
      "values.yaml agent.image.tag is 'dev'"),
 ])
 def test_release_check_refuses_a_tag_that_disagrees(tag: str, chart: dict[str, Any], values: dict[str, Any],

@@ -22,7 +22,7 @@ import requests
 from vbmc.redfish.server import BackgroundServer, Limits, ServerConfig
 
 from ..support.agents import PASSWORD, USER, AgentProcess, free_port, write_serving_certificate
-from ..support.cluster import wait_for
+from ..support.cluster import STOP_DEADLINE, wait_for
 
 SYSTEM = "/redfish/v1/Systems/demo"
 STALLED_REQUEST = b"GET /redfish/v1 HTTP/1.1\r\n"  # a request line, and then nothing
@@ -378,11 +378,8 @@ def test_sigterm_stops_the_agent_within_two_seconds_with_stalled_connections_hel
             stack.callback(keep.close)
             assert keep.get(f"https://127.0.0.1:{tls_port}{SYSTEM}", auth=(USER, PASSWORD), verify=str(cert),
                             timeout=GENEROUS).status_code == 200  # a kept-alive TLS connection, idle
-            started = time.monotonic()
-            code = process.stop()
-            took = time.monotonic() - started
+            code = process.stop(timeout=STOP_DEADLINE)  # stalled and idle connections do not hold it
         assert code == 0
-        assert took < 2, f"SIGTERM took {took:.1f} s"
     finally:
         if process.proc.poll() is None:
             process.proc.kill()

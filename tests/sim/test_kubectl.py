@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +106,4 @@ def test_sim_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     s = start_sim(tmp_path / "term")
     api = s.api()
     assert client.CoreV1Api(api).list_namespace().items
-    began = time.monotonic()
-    assert s.stop() == 0
-    assert time.monotonic() - began < 5
+    assert s.stop() == 0  # exit 0: not killed after Sim.stop's deadline

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from kubernetes import client
 
-from .cluster import REPO, Sim, wait_for
+from .cluster import REPO, STOP_DEADLINE, Sim, wait_for
 from .vms import make_bmc, make_vm
 
 USER, PASSWORD = "admin", "s3cret-pass"
@@ -73,12 +73,17 @@ def redfish_at(base: str, method: str, path: str, body: Any = None, timeout: flo
         return exc.code, json.loads(raw) if raw else None
 
 
-def stop_process(proc: subprocess.Popen[Any], log: IO[Any], timeout: float = 10) -> int:
-    """SIGTERM (unless it has exited), its exit status within `timeout` seconds, and its log file closed."""
+def stop_process(proc: subprocess.Popen[Any], log: IO[Any], timeout: float = STOP_DEADLINE) -> int:
+    """SIGTERM (unless it has exited), its exit status within `timeout` seconds, and its log file closed. One that
+    is still running then is killed (nothing a test starts outlives it) and the hang reported."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
         return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{proc.args!r} did not stop within {timeout}s of SIGTERM: killed") from None
     finally:
         log.close()
 
@@ -116,8 +121,8 @@ class AgentProcess:
     def redfish(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         return redfish_at(self.url, method, path, body)
 
-    def stop(self) -> int:
-        return stop_process(self.proc, self.log)
+    def stop(self, timeout: float = STOP_DEADLINE) -> int:
+        return stop_process(self.proc, self.log, timeout)
 
     def output(self) -> str:
         self.log.flush()

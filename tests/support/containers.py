@@ -4,10 +4,13 @@ storage (.containers, or $KUBEVBMC_CONTAINERS), and a kubesim whose kubelet runs
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +28,11 @@ def podman() -> Podman:
 
 
 def build_image(log: Path) -> str:
-    """`make image` (scripts/image.py) for this checkout; fails the test with why when it cannot build or run."""
-    with open(log, "w") as out:
+    """`make image` (scripts/image.py) for this checkout; fails the test with why when it cannot build or run. One
+    build at a time into the storage: the suite's workers (pytest-xdist) each ask for the image."""
+    lock_file = Path(tempfile.gettempdir()) / f"kubevbmc-image-{hashlib.sha256(STORAGE.encode()).hexdigest()[:12]}.lock"
+    with open(lock_file, "w") as lock, open(log, "w") as out:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         done = subprocess.run([sys.executable, str(REPO / "scripts" / "image.py"), "--tag", IMAGE.split("/", 1)[1]],
                               stdout=out, stderr=subprocess.STDOUT, cwd=REPO, timeout=900,
                               env={**os.environ, STORAGE_ENV: STORAGE})

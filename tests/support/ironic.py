@@ -25,7 +25,7 @@ API_VERSION = "1.96"  # Ironic 39: disable_ramdisk cleaning (1.70), the node inv
 Obj = dict[str, Any]
 
 
-def config(workdir: Path, port: int, http_port: int) -> str:
+def config(workdir: Path, port: int, http_port: int, power_state_change_timeout: int = 60) -> str:
     """ironic.conf: the interfaces the tests use, no Neutron, no Glance, no Swift, no DHCP, no agent token checks
     (nothing boots an agent: the `ramdisk` deploy interface needs none), and images the BMC fetches itself
     (ramdisk_image_download_source http: a boot_iso URL goes to InsertMedia as it is)."""
@@ -37,6 +37,8 @@ def config(workdir: Path, port: int, http_port: int) -> str:
         rpc_transport = none
         host = kubevbmc-tests
         use_stderr = false
+        # SIGTERM: in-flight tasks get this long to finish (oslo.service's default is 60 s)
+        graceful_shutdown_timeout = 10
         log_file = {workdir / "ironic.log"}
         debug = true
         enabled_hardware_types = redfish,ipmi
@@ -63,8 +65,8 @@ def config(workdir: Path, port: int, http_port: int) -> str:
 
         [conductor]
         automated_clean = false
-        # Metal3's defaults: power state syncs and deploys wait as in a real deployment
-        power_state_change_timeout = 60
+        # How long a power action waits for the node to reach its state (Metal3's and Ironic's default: 60 s)
+        power_state_change_timeout = {power_state_change_timeout}
         deploy_callback_timeout = 600
         bootloader = http://127.0.0.1:{http_port}/esp.img
 
@@ -105,12 +107,12 @@ def config(workdir: Path, port: int, http_port: int) -> str:
 class IronicProcess:
     """`ironic` (API and conductor in one process) on a free loopback port, its database created first."""
 
-    def __init__(self, workdir: Path, http_port: int) -> None:
+    def __init__(self, workdir: Path, http_port: int, power_state_change_timeout: int = 60) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.port = free_port()
         self.conf = workdir / "ironic.conf"
-        self.conf.write_text(config(workdir, self.port, http_port))
+        self.conf.write_text(config(workdir, self.port, http_port, power_state_change_timeout))
         ironic = VENV / "bin" / "ironic"
         assert ironic.exists(), f"Ironic is not installed in {VENV}: run scripts/install-ironic.sh"
         schema = subprocess.run([str(VENV / "bin" / "ironic-dbsync"), "--config-file", str(self.conf),
@@ -139,7 +141,7 @@ class IronicProcess:
         return "\n".join(kept[-lines:])
 
     def stop(self) -> None:
-        stop_process(self.proc, self.output, timeout=20)
+        stop_process(self.proc, self.output, timeout=60)
 
 
 class IronicError(AssertionError):
