@@ -33,7 +33,7 @@ image: venv
 # own kubesim or the Ironic lab, live in one process), the slowest modules first (tests/conftest.py); each worker
 # claims its own loopback slot. The slowest tests are listed at the end.
 TEST_WORKERS ?= 3
-unit: venv clients
+unit: venv clients image
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations 25
 
 # Lint, type-check, then every test (real clients included, installed when missing: a missing one fails, never skips).
