@@ -30,7 +30,7 @@ from ..support.ironic import IronicError, IronicProcess
 from ..support.vms import boot_orders, get_vm, get_vmi, make_bmc
 
 # The first test waits for every workflow (the module fixture): a few minutes, not the suite's 120 s per test.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 GI = 2**30
 NS = "metal"
