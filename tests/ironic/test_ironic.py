@@ -29,7 +29,7 @@ from ..support.images import ImageServer
 from ..support.ironic import IronicError, IronicProcess
 from ..support.vms import boot_orders, get_vm, get_vmi, make_bmc
 
-# The first test waits for every workflow (the module fixture): a few minutes, not the suite's 120 s per test.
+# The first test waits for every workflow (the module fixture): minutes, more than the suite's 300 s per test.
 pytestmark = pytest.mark.timeout(900)
 
 GI = 2**30
