@@ -88,7 +88,7 @@ def controller(sim: Any, work: Path, name: str, agent_image: str) -> ControllerP
     return ControllerProcess(sim.kubeconfig, work / f"{name}.log", *FLAGS, "--agent-image", agent_image)
 
 
-# One scenario of several steps, each waiting with its own deadline: about 90 s on an idle machine, minutes on a busy one
+# One scenario of several steps, each waiting with its own deadline: 90 s on an idle machine, minutes on a busy one
 @pytest.mark.timeout(900)
 def test_a_bad_image_updates_one_agent_halts_and_a_good_one_rolls_all_in_batches(fleet: Any) -> None:
     sim, api, ns, work = fleet
