@@ -24,6 +24,7 @@ from .gc import GarbageCollector, NamespaceController
 from .objects import now
 from .server import KUBE_VERSION, ApiServer
 from .store import Store
+from .volumes import VolumeFiles
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -68,6 +69,22 @@ class SimConfig:
     # Lifetime of the ServiceAccount tokens the kubelet gives pods (seconds; 0: they never expire). The kubelet
     # writes a new one at 80% of it, as it refreshes bound tokens; the old one is rejected once expired.
     token_ttl: float = 0.0
+    # What runs behind a Running VMI (kubesim/guests.py): "qemu" (a QEMU process per VMI, as virt-launcher runs
+    # one) or "simulated" (kubesim/console.py's model of a guest). The command line's default is "auto": qemu
+    # where qemu-system-x86_64 is installed.
+    guests: str = "simulated"
+    # Where the cluster's node keeps its state: volume files, per-VM NVRAM, QEMU's sockets (default: a new
+    # temporary directory, removed by stop()).
+    state_dir: str = ""
+    # Caps on what one QEMU guest gets, so that a fleet fits the machine (the VMI asks for more, it gets this).
+    guest_memory_mib: int = 256
+    guest_cpus: int = 1
+    # "auto" (KVM where the host's KVM runs the guest's firmware, else QEMU's TCG), "kvm" or "tcg".
+    accelerator: str = "auto"
+    # The cluster network's boot server (served by QEMU's user-mode network over TFTP), and where containerDisk
+    # images are found as files (kubesim/volumes.py). Empty: the test guests' cache (scripts/build-guests.sh).
+    netboot_dir: str = ""
+    container_disk_dir: str = ""
 
 
 class TokenTable(dict[str, str]):
@@ -148,6 +165,8 @@ class Cluster:
         self.certs = serving_cert(["127.0.0.1", "localhost", self.config.host, "kubernetes.default.svc"])
         tls = self.certs.server_context()  # no key file is left behind
         self._temporary: list[str] = []  # directories this cluster made, removed by stop()
+        self.state_dir = self.config.state_dir or self._temporary_dir("kubesim-node-")
+        self.volumes = VolumeFiles(os.path.join(self.state_dir, "volumes"), self.config.container_disk_dir)
         self.server = ApiServer(self.store, self.tokens, self.config.bookmark_interval, tls)
         self.components: list[Component] = []
         self.address = ""
@@ -181,6 +200,11 @@ class Cluster:
     def pod_kubeconfig(self, namespace: str, pod: str) -> str:
         """The kubeconfig the kubelet gave a pod's processes (KUBECONFIG). KeyError for a pod it has not started."""
         return self._kubelet().kubeconfig_of(namespace, pod)
+
+    def _temporary_dir(self, prefix: str) -> str:
+        directory = tempfile.mkdtemp(prefix=prefix)
+        self._temporary.append(directory)
+        return directory
 
     def _kubelet(self) -> kubelet.Kubelet:
         return next(c for c in self.components if isinstance(c, kubelet.Kubelet))
