@@ -292,6 +292,7 @@ def builtin_types() -> list[ResourceType]:
         ResourceType("", "v1", "ConfigMap", "configmaps", "configmap", short_names=("cm",)),
         ResourceType("", "v1", "PersistentVolumeClaim", "persistentvolumeclaims", "persistentvolumeclaim",
                      short_names=("pvc",), status_subresource=True, defaulter=_default_claim,
+                     delete_returns_object=True,
                      validator=_validate_claim),
         ResourceType("", "v1", "ServiceAccount", "serviceaccounts", "serviceaccount", short_names=("sa",)),
         ResourceType("", "v1", "Event", "events", "event", short_names=("ev",), field_labels=_EVENT_FIELDS),

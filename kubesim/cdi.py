@@ -1,25 +1,55 @@
-"""CDI's part of the simulated cluster: the DataVolume import controller.
+"""CDI's part of the simulated cluster: the DataVolume import controller and its importer.
 
 A DataVolume goes Pending → ImportScheduled → ImportInProgress (progress "N.NN%") → Succeeded over
 `import_delay`, with CDI's Bound, Ready and Running conditions and `status.claimName`: the PersistentVolumeClaim
 CDI creates, of the DataVolume's name and owned by it (kubesim/storage.py binds it). Phases, reasons and messages follow
 kubevirt/containerized-data-importer pkg/controller/datavolume (conditions.go, import-controller.go).
 
+The claim's bytes are a file (kubesim/volumes.py, `<state_dir>/volumes/<namespace>/<claim>.img`), put in place
+just before the DataVolume turns Succeeded, never before, and never half-written:
+- an http(s) source on loopback is really imported: the importer downloads the whole body (following redirects,
+  verifying https with the system's CAs and the certConfigMap's), streaming it in chunks into a temporary file
+  beside the claim's file, bounded by the claim's usable size, each read with a timeout. A qcow2 image (magic
+  `QFI\xfb`) is converted to raw with `qemu-img convert -O raw`, as CDI's importer writes a raw `disk.img`; without
+  qemu-img installed, the qcow2 bytes are kept as they are, with a warning (the guest would see the qcow2
+  container). A qcow2 image with a backing file or an external data file is refused, as CDI refuses a backing file.
+  The download starts when CDI first sees the DataVolume, in a thread of its own (off the store lock and off the
+  controller's workers); its outcome shows when the phases get there: the DataVolume stays ImportInProgress until
+  both the download is complete and `import_delay` has passed; a failed download that began before
+  ImportInProgress is tried once more, if the source answers CDI's probe (as CDI restarts its importer pod), so
+  that a server started after its DataVolume was created still serves the import. An image larger than the claim,
+  a download failing midway, a stalled server (no byte for DOWNLOAD_READ_TIMEOUT) fail the DataVolume and leave no
+  file. A server answering a request without Range with 206 (a test double stating the size of an image it does
+  not serve) gets a file of the stated total size: the bytes it sent at their offsets, the rest zeros.
+- every other source is simulated, and its file is a stand-in: a sparse file (all zeros) of the claim's requested
+  size, for a `blank` image (what CDI writes too), an http(s) source whose host is not loopback, and every source
+  kubesim does not implement (registry, s3, upload, clone...).
+When the controller is built without volume files (`volumes=None`), no file is written, as before.
+
 Network rule: kubesim never sends traffic outside loopback. An http(s) source whose host is a loopback literal
-(127.0.0.0/8, ::1, or `localhost`, which is not resolved but taken as 127.0.0.1) is really fetched (the first
-bytes, short timeout, off the store lock); any other host is never contacted, not even resolved through DNS, and
-its import is simulated as a success.
+(127.0.0.0/8, ::1, or `localhost`, which is not resolved but taken as 127.0.0.1) is really fetched: the whole image
+by the importer's thread, and its first bytes, with a short timeout, by the controller's sync at ImportInProgress
+(which reports an unreachable source as before). Any other host is never contacted, not even resolved through DNS,
+nor is a redirect to one followed, and its import is simulated as a success.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import ipaddress
 import logging
+import re
+import shutil
+import socket
 import ssl
+import struct
+import subprocess
+import threading
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -27,6 +57,7 @@ from . import errors
 from .loop import ControlLoop
 from .objects import clone, set_condition
 from .store import DELETED, Event, Store
+from .volumes import VolumeFiles, quantity_bytes
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -38,6 +69,13 @@ SUCCEEDED, FAILED = "Succeeded", "Failed"
 FINAL_PHASES = (SUCCEEDED, FAILED)
 PROBE_TIMEOUT = 2.0
 MAX_REDIRECTS = 5
+# The importer's download: connecting (loopback), then each read of the body; a server that sends nothing for this
+# long fails the import (CDI's importer: "i/o timeout").
+CONNECT_TIMEOUT = PROBE_TIMEOUT
+DOWNLOAD_READ_TIMEOUT = 30.0
+CHUNK = 1 << 20  # bytes copied at a time: the download's memory
+QCOW2_MAGIC = b"QFI\xfb"
+TRANSFER_FAILED = "Unable to transfer source data to target file"
 
 # Fractions of import_delay at which the importer pod is scheduled and starts transferring.
 SCHEDULED_AT, TRANSFER_AT = 0.1, 0.25
@@ -66,20 +104,36 @@ class ProbeResult:
     size: int | None = None  # the image's size, when the server states it
 
 
-def probe(url: str, timeout: float = PROBE_TIMEOUT, ca_pem: str | None = None) -> ProbeResult:
-    """Check that an http(s) import source answers, fetching only its first bytes, for loopback hosts only.
+class _NotLoopback(Exception):
+    """The source (or a redirect) names a host kubesim must not contact."""
 
-    Real CDI keeps retrying a failing import (restartCount grows, the phase stays ImportInProgress); kubesim
-    fails fast so a test or a BMC sees the error at once.
-    """
+
+class SourceError(Exception):
+    def __init__(self, message: str, contacted: bool = True) -> None:
+        super().__init__(message)
+        self.message = message
+        self.contacted = contacted
+
+
+@dataclass
+class _Answer:
+    url: str  # the URL that answered, after redirects
+    conn: http.client.HTTPConnection
+    response: http.client.HTTPResponse
+    sock: socket.socket | None  # the connection's socket (http.client drops it from `conn` for an HTTP/1.0 reply)
+
+
+def _open(url: str, headers: dict[str, str], timeout: float, ca_pem: str | None) -> _Answer:
+    """GET `url` from a loopback host, following redirects (to loopback hosts only), to a 200 or 206 response.
+    Raises _NotLoopback before contacting any other host, SourceError with CDI's message for every other
+    failure."""
     for _ in range(MAX_REDIRECTS + 1):
         parts = urlsplit(url)
         address = loopback_address(parts.hostname)
         if address is None:
-            # Not loopback: kubesim never connects; the import is simulated as a success.
-            return ProbeResult(True, contacted=False)
+            raise _NotLoopback(url)
         if parts.scheme not in ("http", "https"):
-            return ProbeResult(False, f"unsupported scheme {parts.scheme!r}", contacted=False)
+            raise SourceError(f"unsupported scheme {parts.scheme!r}", contacted=False)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         conn: http.client.HTTPConnection
         if parts.scheme == "https":
@@ -94,29 +148,279 @@ def probe(url: str, timeout: float = PROBE_TIMEOUT, ca_pem: str | None = None) -
         if parts.query:
             path += "?" + parts.query
         try:
-            conn.request("GET", path, headers={"Host": parts.netloc.rsplit("@", 1)[-1], "Range": "bytes=0-1023",
-                                               "User-Agent": "kubesim-cdi-importer"})
+            conn.request("GET", path, headers={"Host": parts.netloc.rsplit("@", 1)[-1],
+                                               "User-Agent": "kubesim-cdi-importer", **headers})
+            sock = conn.sock
             response = conn.getresponse()
-            response.read(1024)
-            status, reason, location = response.status, response.reason, response.getheader("Location")
-            total = (response.getheader("Content-Range") or "").rpartition("/")[2]
-            length = response.getheader("Content-Length") or ""
-            size = int(total) if total.isdigit() else (int(length) if status == 200 and length.isdigit() else None)
         except ssl.SSLCertVerificationError as exc:
-            return ProbeResult(False, f'HTTP request errored: Get "{url}": tls: failed to verify certificate: '
-                                      f"x509: {exc.verify_message}", contacted=True)
-        except (OSError, http.client.HTTPException) as exc:
-            return ProbeResult(False, f'HTTP request errored: Get "{url}": {exc}', contacted=True)
-        finally:
             conn.close()
+            raise SourceError(f'HTTP request errored: Get "{url}": tls: failed to verify certificate: '
+                              f"x509: {exc.verify_message}") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise SourceError(f'HTTP request errored: Get "{url}": {exc}') from exc
+        status, reason, location = response.status, response.reason, response.getheader("Location")
+        if status in (200, 206):
+            return _Answer(url, conn, response, sock)
+        conn.close()
         if status in (301, 302, 303, 307, 308) and location:
             url = urljoin(url, location)
             continue
-        if status in (200, 206):
-            return ProbeResult(True, contacted=True, size=size)
-        return ProbeResult(False, f"expected status code 200, got {status}. Status: {status} {reason}",
-                           contacted=True)
-    return ProbeResult(False, "stopped after too many redirects", contacted=True)
+        raise SourceError(f"expected status code 200, got {status}. Status: {status} {reason}")
+    raise SourceError("stopped after too many redirects")
+
+
+def _stated_size(response: http.client.HTTPResponse) -> int | None:
+    """The image's size as the response states it: a 206's Content-Range total, a 200's Content-Length."""
+    total = (response.getheader("Content-Range") or "").rpartition("/")[2]
+    length = response.getheader("Content-Length") or ""
+    if total.isdigit():
+        return int(total)
+    return int(length) if response.status == 200 and length.isdigit() else None
+
+
+def probe(url: str, timeout: float = PROBE_TIMEOUT, ca_pem: str | None = None) -> ProbeResult:
+    """Check that an http(s) import source answers, fetching only its first bytes, for loopback hosts only.
+
+    Real CDI keeps retrying a failing import (restartCount grows, the phase stays ImportInProgress); kubesim
+    fails fast so a test or a BMC sees the error at once.
+    """
+    try:
+        answer = _open(url, {"Range": "bytes=0-1023"}, timeout, ca_pem)
+    except _NotLoopback:
+        # Not loopback: kubesim never connects; the import is simulated as a success.
+        return ProbeResult(True, contacted=False)
+    except SourceError as exc:
+        return ProbeResult(False, exc.message, contacted=exc.contacted)
+    try:
+        answer.response.read(1024)
+        size = _stated_size(answer.response)
+    except (OSError, http.client.HTTPException) as exc:
+        return ProbeResult(False, f'HTTP request errored: Get "{answer.url}": {exc}', contacted=True)
+    finally:
+        answer.response.close()
+        answer.conn.close()
+    return ProbeResult(True, contacted=True, size=size)
+
+
+def qemu_img_command() -> str | None:
+    """The qemu-img that converts qcow2 images to raw (None: not installed)."""
+    return shutil.which("qemu-img")
+
+
+def too_large(size: int, available: int) -> str:
+    """CDI's importer (pkg/importer/data-processor.go): the image does not fit the claim."""
+    return (f"Virtual image size {size} is larger than the reported available storage {available}. "
+            "A larger PVC is required.")
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class Download:
+    """CDI's importer pod for one DataVolume with a loopback http(s) source: downloads the image into a temporary
+    file beside the claim's file (kubesim/volumes.py), in a thread of its own. When it ends, `path` is the complete
+    raw image (for the controller to install when the DataVolume turns Succeeded) or `failure` says why not (and no
+    file is left); `on_done` is called either way."""
+
+    def __init__(self, volumes: VolumeFiles, namespace: str, claim: str, url: str, ca_pem: str | None,
+                 limit: int, on_done: Callable[[], None]) -> None:
+        self.volumes, self.namespace, self.claim = volumes, namespace, claim
+        self.url, self.ca_pem, self.limit = url, ca_pem, limit
+        self.on_done = on_done
+        self.path: Path | None = None
+        self.failure = ""
+        self.received = 0
+        self.total: int | None = None
+        self.in_transfer = False  # started once the import was in its transfer phase (ImportInProgress)
+        self._files: list[Path] = []  # temporary files this download made and has not handed over
+        self._lock = threading.Lock()
+        self._finished = False
+        self._cancelled = threading.Event()
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.thread = threading.Thread(target=self._run, name=f"cdi-importer-{namespace}/{claim}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def finished(self) -> bool:
+        with self._lock:
+            return self._finished
+
+    def cancel(self) -> None:
+        """Stop the download (its DataVolume is gone): its temporary files are removed, now if it has ended, else by
+        its thread as it stops (a blocked read is woken by shutting the socket down)."""
+        with self._lock:
+            self._cancelled.set()
+            files, self._files = (self._files, []) if self._finished else ([], self._files)
+            if self._finished:
+                self.path = None
+            sock, proc = self._sock, self._proc
+        for path in files:
+            self.volumes.discard(path)
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)  # wakes a blocked read (TLS too: the raw socket)
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+
+    def hand_over(self) -> Path | None:
+        """The complete image's temporary file, now the caller's to install (or discard)."""
+        with self._lock:
+            path, self.path = self.path, None
+            self._files = [f for f in self._files if f != path]
+            return path
+
+    def _new_file(self) -> Path:
+        path = self.volumes.temporary(self.namespace, self.claim)
+        with self._lock:
+            self._files.append(path)
+        return path
+
+    def _drop_file(self, path: Path) -> None:
+        with self._lock:
+            self._files = [f for f in self._files if f != path]
+        self.volumes.discard(path)
+
+    def _run(self) -> None:
+        try:
+            self.path = self._transfer()
+        except _Cancelled:
+            pass
+        except SourceError as exc:
+            self.failure = exc.message
+        except _NotLoopback as exc:
+            self.failure = f'HTTP request errored: Get "{exc}": redirected to a host that is not loopback'
+        except Exception as exc:
+            if not self._cancelled.is_set():
+                log.exception("datavolume %s/%s: import failed", self.namespace, self.claim)
+            self.failure = f"{TRANSFER_FAILED}: {exc}"
+        with self._lock:
+            self._finished = True
+            if self._cancelled.is_set() or self.failure:
+                files, self._files, self.path = self._files, [], None
+            else:
+                files = []
+        for path in files:
+            self.volumes.discard(path)
+        if self.failure and not self._cancelled.is_set():
+            log.info("datavolume %s/%s: import from %s failed: %s", self.namespace, self.claim, self.url,
+                     self.failure)
+        self.on_done()
+
+    def _transfer(self) -> Path:
+        target = self._new_file()
+        with self._lock:
+            if self._cancelled.is_set():
+                raise _Cancelled
+        answer = _open(self.url, {}, CONNECT_TIMEOUT, self.ca_pem)
+        try:
+            with self._lock:
+                self._sock = answer.sock
+                if self._cancelled.is_set():
+                    raise _Cancelled
+            end = self._copy(answer, target)
+        finally:
+            with self._lock:
+                self._sock = None
+            answer.response.close()
+            answer.conn.close()
+        if self._cancelled.is_set():
+            raise _Cancelled
+        with open(target, "rb") as fh:
+            header = fh.read(104)
+        if end > 0 and header.startswith(QCOW2_MAGIC):
+            return self._qcow2_to_raw(answer.url, target, header)
+        return target
+
+    def _copy(self, answer: _Answer, target: Path) -> int:
+        """Stream the body into `target` (CHUNK bytes at a time); returns the file's final size."""
+        url, response = answer.url, answer.response
+        offset = 0
+        expected = response.length  # this response's body, when stated (http.client counts it down)
+        if response.status == 206:
+            # Never asked for: a server that sends part of the image anyway (see the module's docstring).
+            match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", response.getheader("Content-Range") or "")
+            offset = int(match.group(1)) if match else 0
+        self.total = _stated_size(response)
+        if self.total is not None and self.total > self.limit:
+            raise SourceError(too_large(self.total, self.limit))
+        if answer.sock is not None:
+            answer.sock.settimeout(DOWNLOAD_READ_TIMEOUT)
+        buffer = memoryview(bytearray(CHUNK))
+        written = offset
+        with open(target, "r+b") as fh:
+            fh.seek(offset)
+            while True:
+                if self._cancelled.is_set():
+                    raise _Cancelled
+                try:
+                    n = response.readinto(buffer)
+                except TimeoutError as exc:
+                    raise SourceError(f"{TRANSFER_FAILED}: read {url}: i/o timeout") from exc
+                except (OSError, http.client.HTTPException, ValueError) as exc:
+                    if self._cancelled.is_set():
+                        raise _Cancelled from exc
+                    raise SourceError(f"{TRANSFER_FAILED}: unexpected EOF") from exc
+                if not n:
+                    break
+                written += n
+                if written > self.limit:
+                    raise SourceError(too_large(max(written, self.total or 0), self.limit))
+                fh.write(buffer[:n])
+                self.received = written - offset
+            if self._cancelled.is_set():
+                raise _Cancelled
+            if expected is not None and response.length:
+                # The connection closed before the body it announced was complete.
+                raise SourceError(f"{TRANSFER_FAILED}: unexpected EOF")
+            if self.total is not None and self.total > written:
+                fh.truncate(self.total)
+                written = self.total
+        return written
+
+    def _qcow2_to_raw(self, url: str, image: Path, header: bytes) -> Path:
+        """What CDI's importer does with a qcow2 image: validate it (no backing file), check its virtual size
+        against the claim and convert it to raw (qemu-img convert -O raw)."""
+        if len(header) < 32:
+            raise SourceError(f"{TRANSFER_FAILED}: qcow2 header truncated")
+        version, backing_offset, backing_size = struct.unpack(">IQI", header[4:20])
+        virtual_size = struct.unpack(">Q", header[24:32])[0]
+        if backing_offset:
+            with open(image, "rb") as fh:
+                fh.seek(backing_offset)
+                backing = fh.read(min(backing_size, 1023)).decode(errors="replace")
+            raise SourceError(f"Image {url} is invalid because it has backing file {backing}")
+        if version >= 3 and len(header) >= 80 and struct.unpack(">Q", header[72:80])[0] & 0x4:
+            raise SourceError(f"Image {url} is invalid because it has an external data file")
+        if virtual_size > self.limit:
+            raise SourceError(too_large(virtual_size, self.limit))
+        qemu_img = qemu_img_command()
+        if qemu_img is None:
+            log.warning("datavolume %s/%s: %s is a qcow2 image and qemu-img is not installed: its file keeps the "
+                        "qcow2 bytes, not converted to raw", self.namespace, self.claim, url)
+            return image
+        raw = self._new_file()
+        command = [qemu_img, "convert", "-f", "qcow2", "-O", "raw", str(image), str(raw)]
+        with self._lock:
+            if self._cancelled.is_set():
+                raise _Cancelled
+            self._proc = proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.PIPE)
+        _, stderr = proc.communicate()
+        with self._lock:
+            self._proc = None
+        if self._cancelled.is_set():
+            raise _Cancelled
+        if proc.returncode != 0:
+            raise SourceError(f"{TRANSFER_FAILED}: could not convert image to raw: "
+                              f"{stderr.decode(errors='replace').strip()}")
+        self._drop_file(image)
+        return raw
 
 
 def _claim_bytes(spec: Obj) -> int | None:
@@ -131,15 +435,8 @@ def _claim_bytes(spec: Obj) -> int | None:
     return int(size if claim.get("volumeMode") == "Block" else size * (1 - 0.055))
 
 
-_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-
-
 def _bytes(quantity: str) -> int | None:
-    for suffix, factor in _SUFFIXES.items():
-        if quantity.endswith(suffix):
-            number = quantity[: -len(suffix)]
-            return int(float(number) * factor) if number.replace(".", "", 1).isdigit() else None
-    return int(quantity) if quantity.isdigit() else None
+    return quantity_bytes(quantity)
 
 
 def desired_claim(dv: Obj) -> Obj:
@@ -232,12 +529,16 @@ class DataVolumeImporter(ControlLoop):
     kinds = (DV_KEY,)
     manager = "cdi-controller"
 
-    def __init__(self, store: Store, import_delay: float) -> None:
-        # Two workers: a probe of a slow loopback server must not hold up every other import.
+    def __init__(self, store: Store, import_delay: float, volumes: VolumeFiles | None = None) -> None:
+        # Two workers: a probe of a slow loopback server must not hold up every other import. Downloads run in
+        # threads of their own.
         super().__init__(store, workers=2)
         self.delay = import_delay
+        self.volumes = volumes  # None: no volume files are written
         self._seen: dict[str, float] = {}  # DataVolume uid → when CDI first saw it
         self._probed: dict[str, ProbeResult] = {}
+        self._downloads: dict[str, tuple[tuple[str, str], Download]] = {}  # DataVolume uid → (its key, download)
+        self._downloads_lock = threading.Lock()
 
     def _ca_bundle(self, ns: str, dv: Obj) -> str | None:
         """The PEM data of the DataVolume's http.certConfigMap (CDI mounts every key as a file of CAs)."""
@@ -266,13 +567,98 @@ class DataVolumeImporter(ControlLoop):
             if exc.code != 409:
                 raise
 
+    def _claim(self, ns: str, name: str) -> Obj | None:
+        """The DataVolume's claim, unless it is being deleted."""
+        try:
+            claim = self.store.find(self.store.type(CLAIM_KEY), ns, name)
+        except KeyError:
+            return None
+        return None if claim is None or claim["metadata"].get("deletionTimestamp") else claim
+
     def keys_for(self, event: Event) -> Iterable[Hashable]:
         meta = event.obj["metadata"]
+        key = (meta.get("namespace", ""), meta["name"])
         if event.type == DELETED:
-            self._seen.pop(meta.get("uid", ""), None)
-            self._probed.pop(meta.get("uid", ""), None)
-            return []
-        return [(meta.get("namespace", ""), meta["name"])]
+            uid = meta.get("uid", "")
+            self._seen.pop(uid, None)
+            self._probed.pop(uid, None)
+            # Its download is stopped and its files removed by the sync this key gets (no I/O here: under the lock).
+            return [key] if self._downloads else []
+        return [key]
+
+    # ---- downloads
+
+    def _download(self, key: tuple[str, str], uid: str, url: str, dv: Obj, limit: int,
+                  in_transfer: bool) -> Download:
+        """The DataVolume's download, started on the first call (`in_transfer`: in the import's transfer phase)."""
+        assert self.volumes is not None
+        with self._downloads_lock:
+            entry = self._downloads.get(uid)
+            if entry is not None:
+                return entry[1]
+            ns, name = key
+            download = Download(self.volumes, ns, name, url, self._ca_bundle(ns, dv), limit,
+                                on_done=lambda: self.enqueue(key))
+            download.in_transfer = in_transfer
+            self._downloads[uid] = (key, download)
+        log.info("datavolume %s/%s: importing %s", ns, name, url)
+        download.start()
+        return download
+
+    def _forget_downloads(self, key: tuple[str, str], keep: str | None) -> None:
+        """Stop the downloads of DataVolumes of this key other than the one of uid `keep` (deleted ones)."""
+        with self._downloads_lock:
+            gone = [uid for uid, (k, _) in self._downloads.items() if k == key and uid != keep]
+            stopped = [self._downloads.pop(uid)[1] for uid in gone]
+        for download in stopped:
+            download.cancel()
+
+    def _drop_download(self, uid: str) -> None:
+        with self._downloads_lock:
+            entry = self._downloads.pop(uid, None)
+        if entry is not None:
+            entry[1].cancel()
+
+    def _place_volume(self, ns: str, name: str, dv: Obj, claim: Obj, download: Download | None) -> bool:
+        """Put the claim's file in place as the import completes: the downloaded image, or a sparse stand-in of the
+        claim's requested size. False when it could not be (the claim went meanwhile: the next sync makes a new
+        one and imports again)."""
+        assert self.volumes is not None
+        claim_uid = claim["metadata"]["uid"]
+        if self.volumes.holds(ns, name, claim_uid):
+            return True
+        if download is not None:
+            path = download.hand_over()
+            self._drop_download(dv["metadata"]["uid"])
+            if path is None:
+                return False
+        else:
+            request = (((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}).get("storage")
+            size = quantity_bytes(request)
+            if size is None:
+                log.warning("datavolume %s/%s: its claim requests no size: no volume file", ns, name)
+                return True
+            path = self.volumes.sparse(ns, name, size)
+
+        def wanted() -> bool:
+            current = self._claim(ns, name)
+            return current is not None and current["metadata"]["uid"] == claim_uid
+
+        return self.volumes.install(path, ns, name, claim_uid, wanted)
+
+    def stop(self) -> None:
+        super().stop()  # no sync starts a download from now on
+        with self._downloads_lock:
+            downloads = [d for _, d in self._downloads.values()]
+            self._downloads.clear()
+        for download in downloads:
+            download.cancel()
+        deadline = time.monotonic() + 5
+        for download in downloads:
+            if download.thread.is_alive():
+                download.thread.join(timeout=max(deadline - time.monotonic(), 0.01))
+
+    # ---- the controller
 
     def sync(self, key: Hashable) -> float | None:
         assert isinstance(key, tuple)
@@ -283,30 +669,57 @@ class DataVolumeImporter(ControlLoop):
             return 0.5
         dv = self.store.find(rtype, ns, name)
         if dv is None or dv["metadata"].get("deletionTimestamp"):
+            self._forget_downloads(key, keep=None)
             return None
+        uid = dv["metadata"]["uid"]
+        self._forget_downloads(key, keep=uid)
         status: Obj = dv["status"] if isinstance(dv.get("status"), dict) else {}
         if status.get("phase") in FINAL_PHASES:
             return None
-        uid = dv["metadata"]["uid"]
         self._ensure_claim(ns, dv)
         elapsed = time.monotonic() - self._seen.setdefault(uid, time.monotonic())
         kind, url = import_source(dv.get("spec") or {})
         phase = import_phase(elapsed, self.delay, kind)
         failure = ""
-        if phase in (IMPORT_IN_PROGRESS, SUCCEEDED) and kind == "http":
+        claim_size = _claim_bytes(dv.get("spec") or {})
+        claim = self._claim(ns, name) if self.volumes is not None else None
+        download: Download | None = None
+        transferring = phase in (IMPORT_IN_PROGRESS, SUCCEEDED)
+        if (kind == "http" and self.volumes is not None and claim is not None and claim_size is not None
+                and loopback_address(urlsplit(url).hostname) is not None
+                and not self.volumes.holds(ns, name, claim["metadata"]["uid"])):
+            # The importer: the whole image into a temporary file, in a thread of its own, from the moment CDI
+            # sees the DataVolume (its outcome shows when the phases get there).
+            download = self._download(key, uid, url, dv, claim_size, transferring)
+        if transferring and kind == "http":
             result = self._probed.get(uid)
             if result is None:
                 result = self._probed[uid] = probe(url, ca_pem=self._ca_bundle(ns, dv))  # I/O: off the lock
                 log.info("datavolume %s/%s: source %s %s", ns, name, url,
                          ("reachable" if result.ok else f"failed: {result.message}") if result.contacted
                          else "not contacted (not loopback): import simulated")
-            claim = _claim_bytes(dv.get("spec") or {})
             if not result.ok:
                 phase, failure = FAILED, result.message
-            elif result.size is not None and claim is not None and result.size > claim:
-                # CDI's importer (pkg/importer/data-processor.go): the image does not fit the claim.
-                phase, failure = FAILED, (f"Virtual image size {result.size} is larger than the reported available "
-                                          f"storage {claim}. A larger PVC is required.")
+            elif result.size is not None and claim_size is not None and result.size > claim_size:
+                phase, failure = FAILED, too_large(result.size, claim_size)
+            elif not result.contacted:
+                download = None  # redirected away from loopback: simulated, a stand-in file
+                self._drop_download(uid)
+            elif download is not None:
+                if download.finished and download.failure and not download.in_transfer and claim_size is not None:
+                    # It began before the transfer's time, and the source answers CDI's probe now: once more, as
+                    # CDI restarts its importer pod.
+                    self._drop_download(uid)
+                    download = self._download(key, uid, url, dv, claim_size, True)
+                if not download.finished:
+                    phase = IMPORT_IN_PROGRESS  # the transfer takes what it takes, whatever import_delay says
+                elif download.failure:  # read after `finished`: final by then
+                    phase, failure = FAILED, download.failure
+        if phase == FAILED:
+            self._drop_download(uid)  # stopped, its files removed
+        if (phase == SUCCEEDED and self.volumes is not None
+                and (claim is None or not self._place_volume(ns, name, dv, claim, download))):
+            return 0.2  # the claim is not there (yet): Succeeded waits for its file
         new_status = datavolume_status(status, name, phase, elapsed, self.delay, failure)
         if new_status != status:
             self.store.mutate(rtype, ns, name, lambda o: o.__setitem__("status", clone(new_status)),
@@ -318,5 +731,6 @@ class DataVolumeImporter(ControlLoop):
 
 
 def install(cluster: Any) -> None:
-    """Register CDI's import controller with `cluster`."""
-    cluster.add_component(DataVolumeImporter(cluster.store, cluster.config.import_delay))
+    """Register CDI's import controller with `cluster`, writing into the cluster's volume files."""
+    cluster.add_component(DataVolumeImporter(cluster.store, cluster.config.import_delay,
+                                             getattr(cluster, "volumes", None)))

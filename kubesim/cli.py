@@ -48,7 +48,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the CPU kubesim's threads run on: auto (the highest-numbered one it may use), a CPU "
                              "number, or all (no pinning). One CPU is faster: the threads share one GIL "
                              "(default %(default)s)")
+    parser.add_argument("--guests", choices=("auto", "qemu", "simulated"), default="auto",
+                        help="what runs behind a Running VMI: qemu (a QEMU process per VMI, as virt-launcher "
+                             "runs one: real firmware, boot order, media and consoles), simulated (a model that "
+                             "prints a boot and a login prompt), auto (qemu where qemu-system-x86_64 is "
+                             "installed; default)")
+    parser.add_argument("--accelerator", choices=("auto", "kvm", "tcg"), default="auto",
+                        help="QEMU guests: KVM where the host's KVM runs the guest's firmware (probed per "
+                             "firmware), else TCG (default %(default)s)")
+    parser.add_argument("--guest-memory", type=int, default=256, metavar="MIB",
+                        help="QEMU guests: at most this much memory each, whatever the VMI asks (default %(default)s)")
+    parser.add_argument("--guest-cpus", type=int, default=1, metavar="N",
+                        help="QEMU guests: at most this many vCPUs each (default %(default)s)")
+    parser.add_argument("--netboot-dir", default="", metavar="DIR",
+                        help="QEMU guests: what the pod network's TFTP boot server serves (boot.ipxe for BIOS, "
+                             "bootx64.efi for UEFI; default: the test guests' netboot directory)")
+    parser.add_argument("--container-disk-dir", default="", metavar="DIR",
+                        help="QEMU guests: where a containerDisk image's file is found (image .../NAME:TAG -> "
+                             "DIR/NAME.img, .qcow2, .iso or .raw; default: the test guests' directory)")
+    parser.add_argument("--state-dir", default="", metavar="DIR",
+                        help="the node's volume files, NVRAM and QEMU sockets (default: a temporary directory "
+                             "removed when kubesim stops)")
     parser.add_argument("-v", "--verbose", action="store_true")
+
+
+def guests_choice(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    from .guests import qemu_installed
+    return "qemu" if qemu_installed() else "simulated"
+
+
+def default_container_disk_dir() -> str:
+    from .guests import default_guest_dir
+    return str(default_guest_dir())
 
 
 def config_from(args: Any) -> SimConfig:
@@ -61,7 +94,10 @@ def config_from(args: Any) -> SimConfig:
                      history_size=args.history, log_dir=args.log_dir, bookmark_interval=args.bookmark_interval,
                      pod_cidr=args.pod_cidr, service_cidr=args.service_cidr,
                      load_balancer_cidr=args.load_balancer_cidr, token_ttl=args.token_ttl,
-                     container_storage=args.container_storage,
+                     container_storage=args.container_storage, guests=guests_choice(args.guests),
+                     accelerator=args.accelerator, guest_memory_mib=args.guest_memory, guest_cpus=args.guest_cpus,
+                     netboot_dir=args.netboot_dir, state_dir=args.state_dir,
+                     container_disk_dir=args.container_disk_dir or default_container_disk_dir(),
                      local_entrypoint=[sys.executable, "-m", "vbmc"])
 
 
@@ -104,6 +140,12 @@ def run(args: Any) -> int:
     # nearly everything at once.
     gc.freeze()
     gc.set_threshold(14_000, 10, 10)
+    if cluster.config.guests == "qemu":
+        print("guests: qemu (every Running VMI is a QEMU process)", flush=True)
+    else:
+        print("guests: simulated" + ("" if args.guests == "simulated" else
+                                     " (qemu-system-x86_64 is not installed: apt-get install qemu-system-x86 ovmf "
+                                     "ipxe-qemu for real guests)"), flush=True)
     print(f"kubeconfig: {cluster.kubeconfig}", flush=True)
     print(f"server: {cluster.url}", flush=True)
     print("ready", flush=True)

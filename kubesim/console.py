@@ -25,6 +25,7 @@ import contextlib
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,6 +226,19 @@ class SerialLine:
             self._show(REBOOT_TEXT)
         self._boot(spec)
 
+    def update(self, spec: Obj) -> None:
+        """The VMI's spec changed while it runs (the simulated guest reads its spec only when it boots)."""
+
+    def alive(self) -> bool:
+        """Whether the guest still runs (the simulated one runs until its line ends)."""
+        return not self.ended
+
+    def kill(self) -> None:
+        """virt-handler kills the domain at the end of its grace period (the simulated guest needs no killing)."""
+
+    def stop_now(self) -> None:
+        self.end("kubesim is shutting down")
+
     def shut_down(self) -> None:
         """The guest powers off (an ACPI shutdown); the line stays until the domain is gone."""
         with self._lock:
@@ -404,10 +418,14 @@ class SerialClient:
 class SerialConsoles:
     """The serial lines of every VMI, by namespace and name, brought in line with the VMIs' domains by `settle`."""
 
-    def __init__(self) -> None:
+    def __init__(self, make_line: Callable[[str, str, str], SerialLine] | None = None) -> None:
         self._lock = threading.Lock()
         self._lines: dict[tuple[str, str], SerialLine] = {}
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # uids whose line ended
+        # What runs behind a line: this module's simulated guest, or a real one (kubesim/guests.py), which runs
+        # whether or not the VMI has a serial console or a screen.
+        self.make_line = make_line or SerialLine
+        self.real = make_line is not None
 
     def settle(self, namespace: str, name: str, domain: Domain | None) -> SerialLine | None:
         """Make the line match the VMI's domain (None: there is no VMI): a running domain with a serial console
@@ -415,7 +433,7 @@ class SerialConsoles:
         key = (namespace, name)
         with self._lock:
             line = self._lines.get(key)
-            up = domain is not None and domain.running and (domain.serial or domain.graphics)
+            up = domain is not None and domain.running and (self.real or domain.serial or domain.graphics)
             if line is not None and (not up or domain is None or line.uid != domain.uid):
                 del self._lines[key]
                 self._forget(line.uid)
@@ -424,8 +442,10 @@ class SerialConsoles:
             if not up or domain is None or domain.uid in self._ended:
                 return None
             if line is None:
-                line = self._lines[key] = SerialLine(namespace, name, domain.uid)
+                line = self._lines[key] = self.make_line(namespace, name, domain.uid)
                 line.boot(domain.spec)
+            else:
+                line.update(domain.spec)
             line.set_paused(domain.paused)
             if domain.stopping:
                 line.shut_down()
@@ -440,6 +460,21 @@ class SerialConsoles:
     def lines(self) -> list[SerialLine]:
         with self._lock:
             return list(self._lines.values())
+
+    def line(self, namespace: str, name: str, uid: str) -> SerialLine | None:
+        with self._lock:
+            line = self._lines.get((namespace, name))
+        return line if line is not None and line.uid == uid else None
+
+    def stop(self) -> None:
+        """The node goes away: every real guest with it (a simulated one is only threads and bytes; its clients
+        learn of the end from the server's own shutdown)."""
+        if not self.real:
+            return
+        with self._lock:
+            lines, self._lines = list(self._lines.values()), {}
+        for line in lines:
+            line.stop_now()
 
     def _forget(self, uid: str) -> None:
         self._ended[uid] = None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Hashable, Iterable
@@ -845,6 +846,7 @@ class VirtualMachineController(ControlLoop):
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)
+        self.forget_vm: Callable[[str, str], None] | None = None  # real guests: a deleted VM's NVRAM goes
         self.k = _Kinds(store)
         # The template each VMI was started from (KubeVirt keeps it in a ControllerRevision, a kind kubesim does
         # not serve), by VMI uid; and status.runStrategy, which kubesim's VM CRD schema does not carry, by VM uid.
@@ -860,6 +862,8 @@ class VirtualMachineController(ControlLoop):
             self._started_from.pop(meta.get("uid", ""), None)
         if event.rtype.key == VM_KEY and event.type == DELETED:
             self._observed_strategy.pop(meta.get("uid", ""), None)
+            if self.forget_vm is not None:
+                self.forget_vm(ns, meta["name"])  # its persistent EFI variables go with it
         return [("vm", ns, meta["name"])]
 
     def sync(self, key: Hashable) -> float | None:
@@ -1150,6 +1154,14 @@ class VirtualMachineInstanceController(ControlLoop):
         self.node = node
         self._clock: dict[str, float] = {}  # VMI uid → when it could start booting (its DataVolumes ready)
         self._shutdown: dict[str, float] = {}  # VMI uid → when the ACPI shutdown began
+        # Real guests (kubesim/guests.py): the domain's own end decides the VMI's; uid → whether QEMU failed.
+        self.guests: SerialConsoles | None = None
+        self._gone: dict[str, bool] = {}
+
+    def guest_ended(self, namespace: str, name: str, uid: str, failed: bool) -> None:
+        """A real guest's QEMU is gone on its own: the guest powered off (Succeeded) or QEMU failed (Failed)."""
+        self._gone[uid] = failed
+        self.enqueue(("vmi", namespace, name))
 
     def keys_for(self, event: Event) -> Iterable[Hashable]:
         meta = event.obj["metadata"]
@@ -1159,6 +1171,7 @@ class VirtualMachineInstanceController(ControlLoop):
         if event.type == DELETED:
             self._clock.pop(meta.get("uid", ""), None)
             self._shutdown.pop(meta.get("uid", ""), None)
+            self._gone.pop(meta.get("uid", ""), None)
             return []
         return [("vmi", ns, meta["name"])]
 
@@ -1199,6 +1212,19 @@ class VirtualMachineInstanceController(ControlLoop):
             if phase != RUNNING:
                 # No domain yet: the launcher pod goes away and the VMI fails.
                 phase = FAILED
+            elif self.guests is not None and self.guests.real:
+                # The ACPI power button was pressed (SerialConsoles.settle); the guest's QEMU ends when the
+                # guest powers off, or virt-handler kills it once the grace period is over.
+                began = self._shutdown.setdefault(state.uid, now_)
+                grace = state.grace_period if state.grace_period is not None else DEFAULT_GRACE_PERIOD
+                line = self.guests.line(ns, name, state.uid)
+                if line is None or not line.alive() or state.uid in self._gone:
+                    phase = SUCCEEDED
+                elif now_ - began >= max(grace, 0):
+                    line.kill()
+                    phase = SUCCEEDED
+                else:
+                    again = began + grace - now_
             else:
                 began = self._shutdown.setdefault(state.uid, now_)
                 grace = state.grace_period if state.grace_period is not None else DEFAULT_GRACE_PERIOD
@@ -1208,6 +1234,8 @@ class VirtualMachineInstanceController(ControlLoop):
                     phase = SUCCEEDED
                 else:
                     again = remaining
+        elif state.uid in self._gone and phase == RUNNING:
+            phase = FAILED if self._gone[state.uid] else SUCCEEDED
         else:
             dv, claim = self._datavolume(ns), self._claim(ns)
             waiting = [c for c in _volume_claims(_spec(vmi), hotplug=False) if not claim_ready(claim(c), dv)]
@@ -1298,6 +1326,10 @@ class SerialConsoleController(ControlLoop):
         ns, name = key
         self.consoles.settle(ns, name, console_domain(self.k.find(VMI_KEY, ns, name)))
         return None
+
+    def stop(self) -> None:
+        super().stop()
+        self.consoles.stop()
 
 
 # ---------------------------------------------------------------- virt-api
@@ -1597,10 +1629,21 @@ def admit(op: str, rtype: Any, new: Obj, old: Obj | None) -> None:
 def install(cluster: Any) -> None:
     """Register virt-api's subresources, virt-controller and virt-handler with `cluster`."""
     config = cluster.config
+    handler = VirtualMachineInstanceController(cluster.store, config.vm_start_delay, config.vm_stop_delay, NODE_NAME)
     consoles = SerialConsoles()
+    if config.guests == "qemu":
+        from .guests import Accelerators, GuestConfig, QemuGuest
+        guests = GuestConfig(os.path.join(cluster.state_dir, "guests"), cluster.volumes,
+                             Accelerators(config.accelerator), config.netboot_dir, config.guest_memory_mib,
+                             config.guest_cpus, config.process_cpus, handler.guest_ended)
+        consoles = SerialConsoles(lambda ns, name, uid: QemuGuest(ns, name, uid, guests))
+        handler.guests = consoles
     cluster.server.add_subresource_api(VirtApi(cluster.store, consoles).subresource_api())
     cluster.add_component(SerialConsoleController(cluster.store, consoles))
     cluster.store.add_admission(admit)
-    cluster.add_component(VirtualMachineController(cluster.store))
-    cluster.add_component(VirtualMachineInstanceController(cluster.store, config.vm_start_delay,
-                                                           config.vm_stop_delay, NODE_NAME))
+    vms = VirtualMachineController(cluster.store)
+    if config.guests == "qemu":
+        from .guests import forget_vm
+        vms.forget_vm = lambda ns, name: forget_vm(guests.state_dir, ns, name)
+    cluster.add_component(vms)
+    cluster.add_component(handler)

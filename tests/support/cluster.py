@@ -134,6 +134,9 @@ def start_sim(workdir: Path, *flags: str, timeout: float = 15.0, own_ranges: boo
     workdir.mkdir(parents=True, exist_ok=True)
     if own_ranges:
         flags = (*address_ranges(), *flags)
+    if "--guests" not in flags:
+        # The suite's VMIs run kubesim's simulated guest unless a test asks for real ones (tests/guests/).
+        flags = (*flags, "--guests", "simulated")
     kubeconfig = str(workdir / "kubeconfig")
     log = workdir / "sim.log"
     proc = subprocess.Popen(
