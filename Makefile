@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv clients image test lint unit demo sim bench clean
+.PHONY: venv clients guests image test lint unit demo sim bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ clients:
 	scripts/install-clients.sh
 	scripts/install-ironic.sh
 
+# The test guests real VMs boot (kubesim --guests qemu): built from Debian's packages into ~/.cache/kubevbmc/guests,
+# with QEMU, OVMF and iPXE's ROMs installed when missing (apt-get): scripts/build-guests.sh.
+guests:
+	scripts/build-guests.sh
+
 # The container image, from the Dockerfile, into the storage kubesim's container kubelet runs it from (podman or
 # buildah, else Docker; a base made from Debian's packages where no registry answers): scripts/image.py.
 image: venv
@@ -33,13 +38,15 @@ image: venv
 # own kubesim or the Ironic lab, live in one process), the slowest modules first (tests/conftest.py); each worker
 # claims its own loopback slot. The slowest tests are listed at the end.
 TEST_WORKERS ?= 3
-unit: venv clients image
+unit: venv clients guests image
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations 25
 
 # Lint, type-check, then every test (real clients included, installed when missing: a missing one fails, never skips).
 test: lint unit
 
+# Where QEMU is installed the demo's VMs are real guests, booting the test guests (built first).
 demo: venv
+	if command -v qemu-system-x86_64 >/dev/null; then scripts/build-guests.sh; fi
 	$(BIN)/kubevbmc demo
 
 sim: venv
@@ -60,6 +67,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/redfish_fuzz.py
 	$(BIN)/python bench/ipmi_fuzz.py
 	$(BIN)/python bench/consoles.py
+	$(BIN)/python bench/guests.py
 
 clean:
 	rm -rf $(VENV) .venv-ironic .mypy_cache .ruff_cache .pytest_cache *.egg-info

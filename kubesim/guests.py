@@ -156,39 +156,105 @@ def machine_args(firmware: Firmware, accel: str, variables: str, cpu: str = "") 
     return args
 
 
-def probe_kvm(firmware: Firmware, cpu: str, deadline: float = PROBE_DEADLINE) -> tuple[bool, str]:
+class _Trial:
+    """A QEMU run to learn what the host can do: `firmware` under `accel`, with no NIC and at most a CD-ROM, its
+    serial port, SeaBIOS's debug port and QEMU's messages in files."""
+
+    def __init__(self, tmp: str, tag: str, firmware: Firmware, accel: str, cpu: str, cdrom: str = "",
+                 cpus: frozenset[int] | None = None) -> None:
+        variables = os.path.join(tmp, f"{tag}-vars.fd")
+        if firmware.variables:
+            shutil.copyfile(firmware.variables, variables)
+        self.serial, self.debug, self.errors = (os.path.join(tmp, f"{tag}-{n}") for n in ("serial", "debug", "err"))
+        argv = [QEMU, "-nodefaults", "-no-user-config", "-display", "none", "-m", "256",
+                *machine_args(firmware, accel, variables, cpu), "-serial", f"file:{self.serial}",
+                "-chardev", f"file,id=dbg,path={self.debug}", "-device", "isa-debugcon,iobase=0x402,chardev=dbg"]
+        if cdrom:
+            argv += ["-drive", f"if=none,id=cd,media=cdrom,readonly=on,format=raw,file={cdrom}",
+                     "-device", "ide-cd,bus=ide.0,drive=cd,bootindex=1"]
+        self.proc = spawn(argv, self.errors, cpus)  # it too ends with kubesim, however kubesim ends
+
+    def failure(self) -> str:
+        """Why QEMU could not run the guest ("" while it runs)."""
+        text = Path(self.errors).read_text(errors="replace")
+        failure = next((line for line in text.splitlines() if any(f in line for f in _KVM_FAILURES)), "")
+        if failure:
+            return failure.strip()
+        if self.proc.poll() is not None:
+            return f"QEMU exited ({self.proc.returncode}): {text.strip()[-200:]}"
+        return ""
+
+    def wrote(self, marker: bytes = b"") -> bool:
+        """Whether the guest wrote `marker` on its serial port (anything on either port when no marker)."""
+        if not marker:
+            return any(os.path.exists(p) and os.path.getsize(p) > 0 for p in (self.serial, self.debug))
+        try:
+            return marker in Path(self.serial).read_bytes()
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def probe_kvm(firmware: Firmware, cpu: str, deadline: float = PROBE_DEADLINE,
+              cpus: frozenset[int] | None = None) -> tuple[bool, str]:
     """Whether this host's KVM runs `firmware`, and why not: QEMU starts it under KVM with no disk and no NIC;
     the firmware's first output (SeaBIOS logs on the debug port, OVMF writes to the serial port) decides yes;
     QEMU reporting an internal error or exiting decides no."""
     if not kvm_usable():
         return False, "/dev/kvm is missing or not accessible"
     with tempfile.TemporaryDirectory(prefix="kubesim-kvm-probe-") as tmp:
-        variables = os.path.join(tmp, "vars.fd")
-        if firmware.variables:
-            shutil.copyfile(firmware.variables, variables)
-        serial, debug, errors = (os.path.join(tmp, n) for n in ("serial", "debug", "stderr"))
-        argv = [QEMU, "-nodefaults", "-no-user-config", "-display", "none", "-m", "128",
-                *machine_args(firmware, "kvm", variables, cpu), "-serial", f"file:{serial}",
-                "-chardev", f"file,id=dbg,path={debug}", "-device", "isa-debugcon,iobase=0x402,chardev=dbg"]
-        with open(errors, "wb") as err:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                    start_new_session=True)
+        trial = _Trial(tmp, "kvm", firmware, "kvm", cpu, cpus=cpus)
         try:
             end = time.monotonic() + deadline
             while time.monotonic() < end:
-                text = Path(errors).read_text(errors="replace")
-                failure = next((line for line in text.splitlines() if any(f in line for f in _KVM_FAILURES)), "")
+                failure = trial.failure()
                 if failure:
-                    return False, failure.strip()
-                if proc.poll() is not None:
-                    return False, f"QEMU exited ({proc.returncode}): {text.strip()[-200:]}"
-                if any(os.path.exists(p) and os.path.getsize(p) > 0 for p in (serial, debug)):
+                    return False, failure
+                if trial.wrote():
                     return True, ""
                 time.sleep(0.05)
             return False, f"the firmware wrote nothing under KVM within {deadline:.0f} s"
         finally:
-            proc.kill()
-            proc.wait()
+            trial.stop()
+
+
+CANARY_MARKER = b"KUBEVBMC-GUEST: booted from"
+
+
+def canary_image(kind: str) -> str:
+    """The test guest a firmware kind's trial boots (scripts/build-guests.sh), "" when there is none."""
+    path = default_guest_dir() / ("signed.iso" if kind == EFI_SECURE else "guest.iso")
+    return str(path) if path.is_file() else ""
+
+
+def race_kvm_and_tcg(firmware: Firmware, cpu: str, canary: str, deadline: float = PROBE_DEADLINE * 2,
+                     cpus: frozenset[int] | None = None) -> tuple[bool, str]:
+    """A host's KVM may run the firmware and still not what the firmware loads (a nested or paravirtual KVM that
+    cannot emulate a boot loader's mode switches leaves GRUB hanging with no error). So the canary guest boots
+    under KVM and under TCG at once: KVM is kept when it reaches the guest's kernel first; TCG getting there first
+    (or KVM failing) means TCG for this firmware. Both are slowed alike on a busy machine."""
+    with tempfile.TemporaryDirectory(prefix="kubesim-kvm-race-") as tmp:
+        kvm = _Trial(tmp, "kvm", firmware, "kvm", cpu, canary, cpus)
+        tcg = _Trial(tmp, "tcg", firmware, "tcg", TCG_CPU_MODEL, canary, cpus)
+        try:
+            end = time.monotonic() + deadline
+            while time.monotonic() < end:
+                if kvm.wrote(CANARY_MARKER):
+                    return True, ""
+                failure = kvm.failure()
+                if failure:
+                    return False, failure
+                if tcg.wrote(CANARY_MARKER):
+                    return False, (f"the test guest ({os.path.basename(canary)}) booted under TCG before it did "
+                                   f"under KVM (KVM runs the firmware but not what it loads)")
+                time.sleep(0.05)
+            return False, f"the test guest booted under neither within {deadline:.0f} s"
+        finally:
+            kvm.stop()
+            tcg.stop()
 
 
 # The CPU models tried under KVM, in order: the host's CPU (KubeVirt's default, host-model, is the host's CPU as
@@ -208,35 +274,55 @@ class Acceleration:
 class Accelerators:
     """The accelerator for each firmware kind, probed once (`choice` "auto"), or as configured ("kvm", "tcg")."""
 
-    def __init__(self, choice: str = "auto") -> None:
+    def __init__(self, choice: str = "auto", cpus: frozenset[int] | None = None) -> None:
         self.choice = choice
+        self.cpus = cpus  # where trial runs may run (kubesim's own threads may be pinned to one CPU)
         self._lock = threading.Lock()
         self._decided: dict[str, Acceleration] = {}
+        self._locks: dict[str, threading.Lock] = {}
 
     def for_kind(self, kind: str) -> Acceleration:
         if self.choice == "kvm":
             return Acceleration("kvm", KVM_CPU_MODELS[0])
         if self.choice == "tcg":
             return Acceleration("tcg", TCG_CPU_MODEL, "configured")
-        with self._lock:  # one probe per kind; other launches of it wait for the verdict
+        with self._lock:
+            kind_lock = self._locks.setdefault(kind, threading.Lock())
+        with kind_lock:  # one probe per kind; other launches of it wait for the verdict
             if kind not in self._decided:
-                self._decided[kind] = self._probe(kind)
-                decided = self._decided[kind]
+                decided = self._probe(kind)
+                with self._lock:
+                    self._decided[kind] = decided
                 log.info("guests: %s firmware runs under %s (-cpu %s)%s", kind, decided.accel, decided.cpu,
                          f"; KVM cannot run it: {decided.why}" if decided.why else "")
             return self._decided[kind]
 
-    @staticmethod
-    def _probe(kind: str) -> Acceleration:
+    def _probe(self, kind: str) -> Acceleration:
+        """The firmware alone under KVM (each CPU model in turn); then, where a test guest is at hand, the race of
+        a boot under KVM and under TCG (race_kvm_and_tcg)."""
         firmware = find_firmware(kind)
         why = ""
         for cpu in KVM_CPU_MODELS:
-            ok, why = probe_kvm(firmware, cpu)
+            ok, why = probe_kvm(firmware, cpu, cpus=self.cpus)
             if ok:
-                return Acceleration("kvm", cpu)
+                canary = canary_image(kind)
+                if canary:
+                    ok, why = race_kvm_and_tcg(firmware, cpu, canary, cpus=self.cpus)
+                return Acceleration("kvm", cpu) if ok else Acceleration("tcg", TCG_CPU_MODEL, why)
             if not kvm_usable():
                 break
         return Acceleration("tcg", TCG_CPU_MODEL, why)
+
+    def probe_all(self) -> None:
+        """Decide every kind now, in the background, so that the first guests need not wait."""
+        for kind in (BIOS, EFI, EFI_SECURE):
+            threading.Thread(target=self._probe_quietly, args=(kind,), name=f"probe-{kind}", daemon=True).start()
+
+    def _probe_quietly(self, kind: str) -> None:
+        try:
+            self.for_kind(kind)
+        except FileNotFoundError as exc:
+            log.warning("guests: %s", exc)
 
     def decided(self) -> dict[str, Acceleration]:
         with self._lock:

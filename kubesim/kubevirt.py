@@ -1633,9 +1633,11 @@ def install(cluster: Any) -> None:
     consoles = SerialConsoles()
     if config.guests == "qemu":
         from .guests import Accelerators, GuestConfig, QemuGuest
-        guests = GuestConfig(os.path.join(cluster.state_dir, "guests"), cluster.volumes,
-                             Accelerators(config.accelerator), config.netboot_dir, config.guest_memory_mib,
-                             config.guest_cpus, config.process_cpus, handler.guest_ended)
+        accelerators = Accelerators(config.accelerator, config.process_cpus)
+        guests = GuestConfig(os.path.join(cluster.state_dir, "guests"), cluster.volumes, accelerators,
+                             config.netboot_dir, config.guest_memory_mib, config.guest_cpus, config.process_cpus,
+                             handler.guest_ended)
+        accelerators.probe_all()
         consoles = SerialConsoles(lambda ns, name, uid: QemuGuest(ns, name, uid, guests))
         handler.guests = consoles
     cluster.server.add_subresource_api(VirtApi(cluster.store, consoles).subresource_api())

@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pod-cidr", default="127.1.0.0/16")
     parser.add_argument("--service-cidr", default="127.2.0.0/16", help="where the BMCs' addresses come from")
     parser.add_argument("--load-balancer-cidr", default="127.3.0.0/16")
+    parser.add_argument("--guests", choices=("auto", "qemu", "simulated"), default="auto",
+                        help="what runs behind each VM: qemu (a real QEMU guest: SeaBIOS or OVMF, then the test "
+                             "guest's disk), simulated (kubesim's model), auto (qemu where qemu-system-x86_64 is "
+                             "installed; default)")
 
 
 def _pool_name(text: str) -> str:
@@ -53,19 +57,33 @@ def _pool_name(text: str) -> str:
     return text
 
 
-def _vm(name: str) -> dict[str, Any]:
+# The sample VMs' firmware, in turn: SeaBIOS (its output on the serial port too, as `bios.useSerial` asks), OVMF,
+# OVMF with secure boot (SMM on, as KubeVirt requires).
+FIRMWARES: list[tuple[dict[str, Any], dict[str, Any]]] = [
+    ({"bios": {"useSerial": True}}, {}),
+    ({"efi": {"secureBoot": False}}, {}),
+    ({"efi": {"secureBoot": True}}, {"smm": {"enabled": True}}),
+]
+# The containerDisk the sample VMs boot: with real guests, kubesim finds it as disk.img among the test guests
+# (scripts/build-guests.sh), a small Linux that says what it booted from and offers a login (root, guest).
+GUEST_DISK = "localhost/kubevbmc-guests/disk:latest"
+
+
+def _vm(name: str, index: int = 0) -> dict[str, Any]:
+    bootloader, features = FIRMWARES[index % len(FIRMWARES)]
     return {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": name},
             "spec": {"runStrategy": "Halted", "template": {
                 "metadata": {"labels": {"kubevirt.io/vm": name}},
                 "spec": {"domain": {"cpu": {"cores": 2},
                                     "resources": {"requests": {"memory": "2Gi"}},
-                                    "firmware": {"bootloader": {"efi": {"secureBoot": False}}},
-                                    "devices": {"disks": [{"name": "rootdisk", "disk": {"bus": "virtio"}},
+                                    "firmware": {"bootloader": bootloader},
+                                    "features": {"acpi": {}, **features},
+                                    "devices": {"disks": [{"name": "rootdisk", "disk": {"bus": "virtio"},
+                                                           "bootOrder": 1},
                                                           {"name": "cdrom", "cdrom": {"bus": "sata"}}],
                                                 "interfaces": [{"name": "default", "masquerade": {}}]}},
                          "networks": [{"name": "default", "pod": {}}],
-                         "volumes": [{"name": "rootdisk",
-                                      "containerDisk": {"image": "quay.io/containerdisks/fedora:latest"}}]}}}}
+                         "volumes": [{"name": "rootdisk", "containerDisk": {"image": GUEST_DISK}}]}}}}
 
 
 def _secret(name: str) -> dict[str, Any]:
@@ -128,7 +146,7 @@ def _run(args: argparse.Namespace, workdir: Path, keep: bool, stop: threading.Ev
     cluster = Cluster(sim_config([
         "--listen", args.listen, "--kubeconfig", str(workdir / "kubeconfig"), "--log-dir", str(workdir / "pods"),
         "--bookmark-interval", "5", "--pod-cidr", args.pod_cidr, "--service-cidr", args.service_cidr,
-        "--load-balancer-cidr", args.load_balancer_cidr]))
+        "--load-balancer-cidr", args.load_balancer_cidr, "--guests", args.guests]))
     controller: subprocess.Popen[bytes] | None = None
     try:
         cluster.start()
@@ -151,9 +169,9 @@ def _run(args: argparse.Namespace, workdir: Path, keep: bool, stop: threading.Ev
                 if exc.status != 409:
                     raise
         names = [f"vm-{i}" for i in range(1, args.vms + 1)]
-        for name in names:
+        for index, name in enumerate(names):
             _check(stop)
-            api.request("POST", f"/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachines", _vm(name))
+            api.request("POST", f"/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachines", _vm(name, index))
             api.request("POST", f"/api/v1/namespaces/{ns}/secrets", _secret(name))
             api.request("POST", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{ns}/virtualmachinebmcs",
                         _bmc(name, args.pool))
@@ -174,6 +192,7 @@ def _run(args: argparse.Namespace, workdir: Path, keep: bool, stop: threading.Ev
         if args.pool:
             print(f"every BMC above is served by one agent: Deployment {ns}/{args.pool}-virtbmc-pool")
         print()
+        print(_guests_line(cluster.config.guests))
         print(f"kubeconfig: {cluster.kubeconfig}")
         print(f"logs: agents in {workdir / 'pods'}/ (one file per pod), controller in "
               f"{workdir / 'controller.log'}")
@@ -212,6 +231,20 @@ def _run(args: argparse.Namespace, workdir: Path, keep: bool, stop: threading.Ev
             except subprocess.TimeoutExpired:
                 controller.kill()
         cluster.stop()
+
+
+def _guests_line(guests: str) -> str:
+    """What runs behind the VMs, and what to do for real guests where they are not."""
+    if guests != "qemu":
+        return ("guests: simulated (kubesim's model of a guest; for real ones install qemu-system-x86, ovmf and "
+                "ipxe-qemu and run scripts/build-guests.sh)")
+    from kubesim.guests import default_guest_dir
+
+    line = ("guests: QEMU (each VM a real guest, its firmware in turn SeaBIOS, OVMF, OVMF with secure boot; the "
+            "test guest on its disk takes root, password guest)")
+    if not (default_guest_dir() / "disk.img").is_file():
+        line += f"; no test guest in {default_guest_dir()}: the disks are blank (run scripts/build-guests.sh)"
+    return line
 
 
 def _served(api: Any) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import ssl
@@ -20,6 +21,7 @@ import pexpect
 import pytest
 
 from ..support.cluster import REPO, address_ranges, wait_for
+from ..support.guests import BOOT_DEADLINE, build_guest_images, qemu_processes
 
 
 def demo_env(temp: Path) -> dict[str, str]:
@@ -47,11 +49,15 @@ def _environ(pid: str) -> list[bytes]:
 def assert_nothing_left(temp: Path) -> None:
     """The agent processes the demo started are gone, and so is everything it put in its temporary directory."""
     wait_for(lambda: not agent_processes(temp), timeout=60, interval=0.2, what="the demo's agents to be gone")
+    wait_for(lambda: not qemu_processes(str(temp)), timeout=60, interval=0.2, what="the demo's guests to be gone")
     assert list(temp.iterdir()) == [], "the demo left something in the temporary directory"
 
 
 def test_demo_prints_reachable_bmcs_and_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     log, temp = tmp_path / "demo.out", tmp_path / "tmp"
+    real = shutil.which("qemu-system-x86_64") is not None  # CI installs QEMU: the demo's VMs are real guests
+    if real:
+        build_guest_images()
     with open(log, "w") as out:
         demo = subprocess.Popen([sys.executable, "-m", "vbmc", "demo", "--vms", "2", "--workdir", str(tmp_path / "w"),
                                  *address_ranges()], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
@@ -64,6 +70,8 @@ def test_demo_prints_reachable_bmcs_and_stops_everything_on_ctrl_c(tmp_path: Pat
             bmc_lines = [line for line in text.splitlines() if line.startswith("bmc ")]
             assert len(bmc_lines) == 2, text
             lines = text.splitlines()
+            assert any(line.startswith("guests: QEMU (" if real else "guests: simulated (") for line in lines), text
+            assert "the disks are blank" not in text
             kubeconfig = next(line for line in lines if line.startswith("kubeconfig: ")).split(" ", 1)[1]
             assert Path(kubeconfig).is_file()
             assert lines.index(f"kubeconfig: {kubeconfig}") < lines.index("try:"), text
@@ -88,11 +96,17 @@ def test_demo_prints_reachable_bmcs_and_stops_everything_on_ctrl_c(tmp_path: Pat
                 what="the VM to be on")
             # the printed serial console line reaches the VM's login prompt, and ~. leaves it
             sol = shlex.split(next(line for line in lines if "sol activate" in line), comments=True)
-            console = pexpect.spawn(sol[0], sol[1:], timeout=20)
+            console = pexpect.spawn(sol[0], sol[1:], timeout=BOOT_DEADLINE)
             try:
                 console.expect_exact("[SOL Session operational.")
                 console.send("\r")
-                console.expect(r"vm-\d login: ")
+                # vm-1's firmware is SeaBIOS; the real guest's getty, or the simulated one's
+                console.expect(r"kubevbmc-guest login: " if real else r"vm-\d login: ")
+                if real:  # a reset runs the real firmware again, seen on SOL
+                    reset = power_on.replace("power on", "power reset")
+                    subprocess.run(shlex.split(reset), capture_output=True, text=True, timeout=30, check=True)
+                    console.expect(r"SeaBIOS \(version")
+                    console.expect_exact("KUBEVBMC-GUEST: booted from disk")
                 console.send("\r~.")
                 console.expect(pexpect.EOF)
             finally:
