@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accelerator", choices=("auto", "kvm", "tcg"), default="auto",
                         help="QEMU guests: KVM where the host's KVM runs the guest's firmware (probed per "
                              "firmware), else TCG (default %(default)s)")
-    parser.add_argument("--guest-memory", type=int, default=256, metavar="MIB",
+    parser.add_argument("--guest-memory", type=int, default=512, metavar="MIB",
                         help="QEMU guests: at most this much memory each, whatever the VMI asks (default %(default)s)")
     parser.add_argument("--guest-cpus", type=int, default=1, metavar="N",
                         help="QEMU guests: at most this many vCPUs each (default %(default)s)")

@@ -77,7 +77,7 @@ class SimConfig:
     # temporary directory, removed by stop()).
     state_dir: str = ""
     # Caps on what one QEMU guest gets, so that a fleet fits the machine (the VMI asks for more, it gets this).
-    guest_memory_mib: int = 256
+    guest_memory_mib: int = 512
     guest_cpus: int = 1
     # "auto" (KVM where the host's KVM runs the guest's firmware, else QEMU's TCG), "kvm" or "tcg".
     accelerator: str = "auto"

@@ -75,7 +75,7 @@ BIOS_BOOTFILE, EFI_BOOTFILE = "boot.ipxe", "bootx64.efi"
 PROBE_DEADLINE = 60.0  # a probe that has decided nothing by then is a hang: TCG
 START_DEADLINE = 30.0  # QEMU's sockets appear within this, or the launch failed
 STOP_DEADLINE = 10.0  # SIGTERM, then SIGKILL
-DEFAULT_MEMORY_MIB = 256
+DEFAULT_MEMORY_MIB = 512
 _KVM_FAILURES = ("KVM internal error", "emulation failure", "not supported by this hypervisor",
                  "failed to initialize kvm", "Could not access KVM")
 
@@ -618,6 +618,7 @@ class QemuGuest(SerialLine):
         self._paused_domain = False
         self._media: dict[str, str | None] = {}  # CD-ROM device id -> file inserted
         self._media_lock = threading.Lock()
+        self._latest_spec: Obj = {}
         self._vnc_peer: VncPeer | None = None
         self.accelerator = ""
         self.failure = ""
@@ -625,12 +626,16 @@ class QemuGuest(SerialLine):
     # ---- the guest's side (SerialLine's hooks, called under self._lock)
 
     def _boot(self, spec: Obj) -> None:
-        self._spec = spec
+        self._spec = self._latest_spec = spec
         threading.Thread(target=self._launch, args=(spec,), name=f"launch-{self.name}", daemon=True).start()
 
     def _launch(self, spec: Obj) -> None:
         try:
             self._start(spec)
+            self._started.set()
+            # A medium whose import ended while QEMU was starting (its VMI's change came before QEMU could take it)
+            if self._qmp is not None:
+                self._update_media(self._latest_spec)
         except Exception as exc:
             self.failure = str(exc)
             log.warning("vmi %s/%s: QEMU did not start: %s", self.namespace, self.name, exc)
@@ -853,8 +858,9 @@ class QemuGuest(SerialLine):
     def update(self, spec: Obj) -> None:
         """A change of the VMI's spec that reaches the running domain: CD-ROM media inserted or ejected (off the
         caller's thread: the consoles' lock is held)."""
+        self._latest_spec = spec
         if not self._started.is_set() or self._qmp is None or self.ended:
-            return
+            return  # _launch looks at the latest spec once QEMU runs
         threading.Thread(target=self._update_media, args=(spec,), name=f"media-{self.name}", daemon=True).start()
 
     def _update_media(self, spec: Obj) -> None:

@@ -19,7 +19,10 @@ from .support.cluster import Sim, install_bmc_crd, session_ranges, start_sim
 # The slowest modules, started first: make test runs each module on one of its workers (pytest-xdist's loadfile),
 # handing them out in this order, so that the longest do not start last and leave the other workers idle.
 SLOWEST_FIRST = [
+    "tests/guests/test_bios_guest.py",  # real guests, under TCG where the host's KVM cannot run GRUB
+    "tests/guests/test_uefi_guest.py",  # OVMF and secure boot: TCG on hosts whose KVM cannot run OVMF
     "tests/ironic/test_ironic.py",  # about 3.5 minutes: every Ironic workflow, with 40 s imports
+    "tests/guests/test_ironic_guest.py",
     "tests/project/test_containers.py",  # the image, then the chart's controller and agents as containers
     "tests/controller/test_fleet.py",  # a rollout in batches, halted and resumed
     "tests/ipmi/test_sol_stress.py",

@@ -65,11 +65,12 @@ def tap(own_sim: Sim, namespace: str) -> Iterator[SerialTap]:
     reader.close()
 
 
-def agent_for(own_sim: Sim, api: client.ApiClient, namespace: str, firmware: str) -> Iterator[AgentProcess]:
+def agent_for(own_sim: Sim, api: client.ApiClient, namespace: str, firmware: str, *flags: str) \
+        -> Iterator[AgentProcess]:
     """A VM of `firmware` booting the test guest's disk, its VirtualMachineBMC and an agent for it."""
     guest_vm(api, namespace, firmware=firmware)
     make_bmc(api, namespace)
-    with running_agent("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm",
+    with running_agent("--namespace", namespace, "--vm", "vm", "--vmbmc", "vm", *flags,
                        env={"KUBECONFIG": own_sim.kubeconfig}) as process:
         yield process
         process.ipmitool("power", "off")

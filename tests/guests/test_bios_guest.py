@@ -4,18 +4,26 @@ serial line is the verdict: the device they really booted, the medium the URL se
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
 import pexpect
 import pytest
+import websocket
 from kubernetes import client
 
+from vbmc.web import SCREEN_URI
+
+from ..agent.test_web_consoles import https_login
 from ..ipmi.test_sol import OPERATIONAL
-from ..support.agents import AgentProcess, ipmitool_argv
+from ..sim.test_console import endpoint
+from ..support.agents import AgentProcess, free_port, ipmitool_argv, write_serving_certificate
 from ..support.cluster import HANG_DEADLINE, Sim, bmc_sim, call, wait_for
 from ..support.guests import BOOT_DEADLINE, GUEST_PASSWORD, SHELL, SerialTap, guest_vm, qemu_processes, sim_flags
+from ..support.rfb import RfbClient
 from ..support.vms import get_vmi, printable
 from .conftest import BOOTED, CD, SYSTEM, agent_for, boot_once, eject, insert, ipmi, redfish, reset
 
@@ -128,6 +136,51 @@ def test_sol_shows_the_firmware_and_the_guest_through_pause_reset_and_an_acpi_po
     finally:
         child.kill(signal.SIGKILL)
         child.close()
+
+
+def test_the_pages_screen_is_the_guests_own_screen(
+        own_sim: Sim, api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    """The BMC page's screen (the agent's screen WebSocket, an RFB server fed by the VMI's `vnc`, which is QEMU's
+    VNC server): what the guest draws on its console shows there."""
+    cert, key = write_serving_certificate(tmp_path)
+    https = free_port()
+    with contextlib.ExitStack() as stack:
+        agent = stack.enter_context(contextlib.contextmanager(agent_for)(
+            own_sim, api, namespace, "bios", "--redfish-tls-address", f"127.0.0.1:{https}", "--tls-cert", str(cert),
+            "--tls-key", str(key)))
+        kube = endpoint(own_sim.kubeconfig)
+        tap = SerialTap(kube.url, kube.token, kube.tls, namespace)
+        stack.callback(tap.close)
+        after = tap.login(power_on_to_disk(agent, tap))
+        tls = ssl.create_default_context(cafile=str(cert))
+        status, _, headers = https_login(f"https://127.0.0.1:{https}", tls)
+        assert status == 201
+        screen = websocket.create_connection(f"wss://127.0.0.1:{https}{SCREEN_URI}", sslopt={"context": tls},
+                                             subprotocols=["binary", f"x-auth-token.{headers['X-Auth-Token']}"],
+                                             timeout=10)
+        stack.callback(screen.close)
+
+        def receive(timeout: float) -> bytes:
+            screen.settimeout(timeout)
+            try:
+                opcode, data = screen.recv_data()
+            except websocket.WebSocketTimeoutException:
+                return b""
+            return bytes(data) if opcode == websocket.ABNF.OPCODE_BINARY else b""
+
+        viewer = RfbClient(receive, screen.send_binary)
+        viewer.handshake()
+        assert (viewer.width, viewer.height) == (720, 400)  # QEMU's VGA in text mode: 80x25 cells of 9x16
+
+        def lit_share() -> float:
+            viewer.refresh(timeout=HANG_DEADLINE)
+            return viewer.lit() / (viewer.width * viewer.height)
+
+        tap.send(b"printf '\\033[2J\\033[H' > /dev/tty1\r")  # the guest clears its screen
+        wait_for(lambda: lit_share() < 0.01, HANG_DEADLINE, what="a blank screen")
+        tap.send(b"for i in $(seq 24); do printf '%080d' 8; done > /dev/tty1\r")  # and fills it with 0s and 8s
+        wait_for(lambda: lit_share() > 0.15, HANG_DEADLINE, what="the screen filled")
+        tap.expect(SHELL, after, HANG_DEADLINE)
 
 
 def test_no_qemu_outlives_its_vm_or_a_killed_kubesim(

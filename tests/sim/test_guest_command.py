@@ -119,7 +119,7 @@ def test_identity_consoles_and_caps() -> None:
 
 
 @pytest.mark.parametrize(("domain", "mib", "cpus"), [
-    ({}, 256, 1),
+    ({}, 512, 1),
     ({"resources": {"requests": {"memory": "128Mi"}}}, 128, 1),
     ({"memory": {"guest": "1G"}, "cpu": {"cores": 1, "threads": 2}}, 512, 2),
 ])

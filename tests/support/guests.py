@@ -43,7 +43,7 @@ def sim_flags(images: Path) -> list[str]:
 
 
 def guest_vm(api: client.ApiClient, ns: str, name: str = "vm", *, firmware: str = "bios",
-             run_strategy: str = "Halted", grace: int = 60) -> dict[str, Any]:
+             run_strategy: str = "Halted", grace: int = 60, mac: str = "") -> dict[str, Any]:
     """A VM that boots the test guest's disk image (a containerDisk whose image name maps to disk.img), with an
     empty CD-ROM drive and a NIC on the pod network; `firmware` bios (SeaBIOS, its output on the serial port
     too), efi or secure (OVMF with secure boot, SMM on)."""
@@ -58,10 +58,11 @@ def guest_vm(api: client.ApiClient, ns: str, name: str = "vm", *, firmware: str 
           "spec": {"runStrategy": run_strategy, "template": {"spec": {
               "terminationGracePeriodSeconds": grace,
               "domain": {"firmware": {"bootloader": bootloader}, "features": features,
-                         "resources": {"requests": {"memory": "256Mi"}},
+                         "resources": {"requests": {"memory": "512Mi"}},
                          "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}, "bootOrder": 1},
                                                {"name": "cdrom", "cdrom": {"bus": "sata"}}],
-                                     "interfaces": [{"name": "default", "masquerade": {}}]}},
+                                     "interfaces": [{"name": "default", "masquerade": {},
+                                                     **({"macAddress": mac} if mac else {})}]}},
               "networks": [{"name": "default", "pod": {}}],
               "volumes": [{"name": "root", "containerDisk": {"image": "localhost/kubevbmc-guests/disk:latest"}}]}}}}
     reply = call(api, "POST", f"/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachines", vm)
