@@ -589,6 +589,8 @@ class GuestConfig:
     # Called (namespace, name, uid, failed) when a guest's QEMU is gone without kubesim ending it: the guest
     # powered itself off (failed=False) or QEMU died (failed=True).
     on_exit: Callable[[str, str, str, bool], None] | None = None
+    # The MAC of an interface without macAddress (namespace, VMI name, interface): the one the VMI's status shows.
+    mac_of: Callable[[str, str, str], str] = lambda ns, name, iface: "52:54:00:00:00:01"
 
 
 def nvram_path(state_dir: str, namespace: str, name: str) -> str:
@@ -737,13 +739,12 @@ class QemuGuest(SerialLine):
         return out
 
     def _nics(self, spec: Obj) -> list[tuple[str, str, int | None]]:
-        from .kubevirt import generated_mac
         out = []
         for iface in ((spec.get("domain") or {}).get("devices") or {}).get("interfaces") or []:
             if not isinstance(iface, dict):
                 continue
             name = str(iface.get("name"))
-            mac = str(iface.get("macAddress") or generated_mac(self.namespace, self.name, name))
+            mac = str(iface.get("macAddress") or self.config.mac_of(self.namespace, self.name, name))
             order = iface.get("bootOrder")
             out.append((name, mac, order if isinstance(order, int) else None))
         return out

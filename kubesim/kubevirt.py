@@ -1636,7 +1636,7 @@ def install(cluster: Any) -> None:
         accelerators = Accelerators(config.accelerator, config.process_cpus)
         guests = GuestConfig(os.path.join(cluster.state_dir, "guests"), cluster.volumes, accelerators,
                              config.netboot_dir, config.guest_memory_mib, config.guest_cpus, config.process_cpus,
-                             handler.guest_ended)
+                             handler.guest_ended, generated_mac)
         accelerators.probe_all()
         consoles = SerialConsoles(lambda ns, name, uid: QemuGuest(ns, name, uid, guests))
         handler.guests = consoles
