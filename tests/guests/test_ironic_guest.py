@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +20,14 @@ from ..sim.test_console import endpoint
 from ..support.agents import PASSWORD, USER, AgentProcess, running_agent
 from ..support.cluster import Sim, install_bmc_crd, start_sim
 from ..support.guests import SerialTap, build_guest_images, guest_vm, sim_flags
-from ..support.ironic import IronicError, IronicProcess
+from ..support.ironic import IronicProcess
 from ..support.vms import make_bmc
 from .conftest import BOOTED
 
 pytestmark = pytest.mark.timeout(900)
 NS = "metal-guests"
-MACS = {"vmedia": "02:00:0b:00:00:01", "pxe": "02:00:0b:00:00:02"}
+# Node names: not "vmedia" (GET /v1/nodes/vmedia is Ironic's virtual media API, a 404 for a node of that name)
+MACS = {"cd-node": "02:00:0b:00:00:01", "net-node": "02:00:0b:00:00:02"}
 
 
 @dataclass
@@ -68,20 +68,6 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         yield Lab(sim, ironic, files, agents, taps)
 
 
-def wait_provision(lab: Lab, name: str, state: str, timeout: float = 300) -> None:
-    """Ironic's wait, through the 404 its all-in-one process with SQLite answered here once for a node it had just
-    created (GET /v1/nodes/<name> while the conductor held the node's lock): a read that is retried, not a state."""
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            lab.ironic.client.wait_provision(name, state, timeout=max(end - time.monotonic(), 1))
-            return
-        except IronicError as exc:
-            if f"/v1/nodes/{name}: 404" not in str(exc) or time.monotonic() > end:
-                raise
-            time.sleep(0.5)
-
-
 def deploy(lab: Lab, name: str, driver: str) -> None:
     ironic, agent = lab.ironic.client, lab.agents[name]
     if driver == "ipmi":
@@ -101,31 +87,31 @@ def deploy(lab: Lab, name: str, driver: str) -> None:
             management_interface="redfish", power_interface="redfish")
         instance_info = {"boot_iso": f"{lab.files.base}/guest.iso"}
     ironic.provision(name, "manage")
-    wait_provision(lab, name, "manageable", timeout=120)
+    ironic.wait_provision(name, "manageable", timeout=120)
     ironic.provision(name, "provide")
-    wait_provision(lab, name, "available", timeout=120)
+    ironic.wait_provision(name, "available", timeout=120)
     ironic.patch(f"/v1/nodes/{name}", [{"op": "add", "path": f"/instance_info/{k}", "value": v}
                                        for k, v in instance_info.items()])
     if driver == "ipmi":
         ironic.post("/v1/ports", {"node_uuid": ironic.node(name)["uuid"], "address": MACS[name],
                                   "pxe_enabled": True})
     ironic.provision(name, "active")
-    wait_provision(lab, name, "active")
+    ironic.wait_provision(name, "active", timeout=300)
 
 
 def test_ironic_virtual_media_deploy_boots_its_iso_in_the_guest(lab: Lab) -> None:
-    since = lab.taps["vmedia"].mark()
-    deploy(lab, "vmedia", "redfish")
-    after = lab.taps["vmedia"].expect(BOOTED.format("iso"), since)
+    since = lab.taps["cd-node"].mark()
+    deploy(lab, "cd-node", "redfish")
+    after = lab.taps["cd-node"].expect(BOOTED.format("iso"), since)
     # undeploy: Ironic ejects the ISO and powers the node off; the guest is gone
-    lab.ironic.client.provision("vmedia", "deleted")
-    wait_provision(lab, "vmedia", "available")
-    assert "booted from network" not in lab.taps["vmedia"].text(after)
+    lab.ironic.client.provision("cd-node", "deleted")
+    lab.ironic.client.wait_provision("cd-node", "available", timeout=300)
+    assert "booted from network" not in lab.taps["cd-node"].text(after)
 
 
 def test_ironic_pxe_deploy_through_ipmi_boots_the_guest_from_the_network(lab: Lab) -> None:
-    since = lab.taps["pxe"].mark()
-    deploy(lab, "pxe", "ipmi")
+    since = lab.taps["net-node"].mark()
+    deploy(lab, "net-node", "ipmi")
     # Ironic's default boot mode is UEFI: `chassis bootdev pxe options=efiboot`, so OVMF's network boot
-    after = lab.taps["pxe"].expect(BOOTED.format("network"), since)
-    lab.taps["pxe"].expect(r"KUBEVBMC-GUEST: firmware uefi", after)
+    after = lab.taps["net-node"].expect(BOOTED.format("network"), since)
+    lab.taps["net-node"].expect(r"KUBEVBMC-GUEST: firmware uefi", after)
