@@ -41,6 +41,7 @@ kubesim even when kubesim is killed; it ends with its VMI (SIGTERM, then SIGKILL
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -271,6 +272,25 @@ class Acceleration:
     why: str = ""  # why not KVM
 
 
+_CACHE_LOCK = threading.Lock()
+
+
+def _probe_key(kind: str, firmware: Firmware) -> str:
+    """What a trial's verdict depends on: the host's kernel and KVM, QEMU, the firmware and the test guest."""
+    def stamp(path: str) -> str:
+        try:
+            status = os.stat(path)
+        except OSError:
+            return "-"
+        return f"{status.st_size}:{int(status.st_mtime)}"
+
+    qemu = shutil.which(QEMU) or QEMU
+    kvm = ",".join(sorted(m for m in ("kvm_intel", "kvm_amd", "kvm_pvm") if os.path.exists(f"/sys/module/{m}")))
+    parts = [kind, os.uname().release, kvm, str(kvm_usable()), stamp(qemu), stamp(firmware.code),
+             stamp(canary_image(kind))]
+    return "|".join(parts)
+
+
 class Accelerators:
     """The accelerator for each firmware kind, probed once (`choice` "auto"), or as configured ("kvm", "tcg")."""
 
@@ -298,9 +318,35 @@ class Accelerators:
             return self._decided[kind]
 
     def _probe(self, kind: str) -> Acceleration:
+        """What the machine's cache says for this host, QEMU and firmware, else a trial (_try), then cached."""
+        firmware = find_firmware(kind)
+        key = _probe_key(kind, firmware)
+        cache = default_guest_dir().parent / "accelerators.json"
+        try:
+            known = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if isinstance(known.get(key), dict):
+            entry = known[key]
+            return Acceleration(str(entry["accel"]), str(entry["cpu"]), str(entry.get("why", "")) + " (cached)")
+        decided = self._try(kind, firmware)
+        with contextlib.suppress(OSError), _CACHE_LOCK:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            with open(cache.with_name(f".{cache.name}.lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # other kubesims: read, add, write, one at a time
+                try:
+                    known = json.loads(cache.read_text())
+                except (OSError, ValueError):
+                    known = {}
+                known[key] = {"accel": decided.accel, "cpu": decided.cpu, "why": decided.why}
+                temporary = cache.with_name(f".{cache.name}.{os.getpid()}")
+                temporary.write_text(json.dumps(known, indent=1, sort_keys=True))
+                temporary.replace(cache)
+        return decided
+
+    def _try(self, kind: str, firmware: Firmware) -> Acceleration:
         """The firmware alone under KVM (each CPU model in turn); then, where a test guest is at hand, the race of
         a boot under KVM and under TCG (race_kvm_and_tcg)."""
-        firmware = find_firmware(kind)
         why = ""
         for cpu in KVM_CPU_MODELS:
             ok, why = probe_kvm(firmware, cpu, cpus=self.cpus)
@@ -376,7 +422,7 @@ def vcpus(spec: Obj, cap: int) -> int:
 
 def qemu_command(*, name: str, spec: Obj, firmware: Firmware, accel: Acceleration, variables: str,
                  disks: list[Attachment],
-                 nics: list[tuple[str, str, int | None]], run_dir: str, netboot_dir: str, memory_cap: int,
+                 nics: list[tuple[str, str, int | None]], netboot_dir: str, memory_cap: int,
                  cpu_cap: int) -> list[str]:
     """QEMU's command line for a VMI (pure: tests read it). `nics`: (name, MAC, bootOrder) per interface."""
     domain = spec.get("domain") or {}
@@ -390,7 +436,7 @@ def qemu_command(*, name: str, spec: Obj, firmware: Firmware, accel: Acceleratio
     argv = [QEMU, "-name", f"guest={name}", "-nodefaults", "-no-user-config", "-no-shutdown", "-S", *machine,
             "-m", str(memory_mib(spec, memory_cap)), "-smp", str(vcpus(spec, cpu_cap)),
             "-boot", "strict=on",
-            "-qmp", f"unix:{run_dir}/qmp.sock,server=on,wait=off"]
+            "-qmp", "unix:qmp.sock,server=on,wait=off"]
     smbios = "type=1,manufacturer=KubeVirt,product=None,family=KubeVirt"
     if firmware_spec.get("uuid"):
         argv += ["-uuid", str(firmware_spec["uuid"])]
@@ -398,10 +444,10 @@ def qemu_command(*, name: str, spec: Obj, firmware: Firmware, accel: Acceleratio
         smbios += ",serial=" + str(firmware_spec["serial"]).replace(",", ",,")
     argv += ["-smbios", smbios]
     if devices.get("autoattachSerialConsole") is not False:
-        argv += ["-chardev", f"socket,id=serial0,path={run_dir}/serial.sock,server=on,wait=off",
+        argv += ["-chardev", "socket,id=serial0,path=serial.sock,server=on,wait=off",
                  "-serial", "chardev:serial0"]
     if devices.get("autoattachGraphicsDevice") is not False:
-        argv += ["-vga", "std", "-vnc", f"unix:{run_dir}/vnc.sock"]
+        argv += ["-vga", "std", "-vnc", "unix:vnc.sock"]
     else:
         argv += ["-vga", "none", "-display", "none"]
     ahci_port, scsi = 0, False
@@ -509,17 +555,27 @@ class Qmp:
 
 
 def _connect_unix(path: str, deadline: float) -> socket.socket:
+    """Connect to a unix socket, waiting for it to appear. A path longer than a socket address holds (108 bytes;
+    a state directory deep in a long TMPDIR) is reached through a descriptor of its directory."""
     end = time.monotonic() + deadline
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        directory = -1
         try:
-            sock.connect(path)
+            if len(os.fsencode(path)) < 100:
+                sock.connect(path)
+            else:
+                directory = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+                sock.connect(f"/proc/self/fd/{directory}/{os.path.basename(path)}")
             return sock
         except OSError:
             sock.close()
             if time.monotonic() > end:
                 raise
             time.sleep(0.02)
+        finally:
+            if directory >= 0:
+                os.close(directory)
 
 
 # ---------------------------------------------------------------- starting processes
@@ -560,7 +616,8 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def spawn(argv: list[str], stderr_path: str, cpus: frozenset[int] | None) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], stderr_path: str, cpus: frozenset[int] | None, cwd: str | None = None) \
+        -> subprocess.Popen[bytes]:
     global _spawner
     with _spawner_lock:
         if _spawner is None:
@@ -569,7 +626,7 @@ def spawn(argv: list[str], stderr_path: str, cpus: frozenset[int] | None) -> sub
     def start() -> subprocess.Popen[bytes]:
         with open(stderr_path, "ab") as err, unpinned(cpus):
             return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, close_fds=True,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+                                    start_new_session=True, preexec_fn=_die_with_parent, cwd=cwd)
 
     return _spawner.call(start)
 
@@ -662,14 +719,15 @@ class QemuGuest(SerialLine):
                 shutil.copyfile(firmware.variables, variables)
         disks = self._attachments(spec)
         argv = qemu_command(name=f"{self.namespace}_{self.name}", spec=spec, firmware=firmware, accel=accel,
-                            variables=variables, disks=disks, nics=self._nics(spec), run_dir=self.run_dir,
+                            variables=variables, disks=disks, nics=self._nics(spec),
                             netboot_dir=self._netboot_dir(), memory_cap=self.config.memory_cap,
                             cpu_cap=self.config.cpu_cap)
         with self._lock:
             if self.ended:
                 return
             self.accelerator = accel.accel
-            self.proc = spawn(argv, os.path.join(self.run_dir, "qemu.log"), self.config.cpus)
+            # In its run directory: QEMU's sockets are named relative to it (a socket's path has at most 108 bytes)
+            self.proc = spawn(argv, os.path.join(self.run_dir, "qemu.log"), self.config.cpus, cwd=self.run_dir)
         log.info("vmi %s/%s: QEMU %d started (%s firmware, %s)", self.namespace, self.name, self.proc.pid, kind,
                  accel.accel)
         threading.Thread(target=self._wait, name=f"qemu-{self.name}", daemon=True).start()

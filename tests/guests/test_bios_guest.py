@@ -66,6 +66,10 @@ def test_ipmi_boot_devices_once_and_persistent_as_the_firmware_boots_them(
     after = tap.expect(r"(?i)Boot failed: Could not read from CDROM", after)
     after = tap.expect(BOOTED.format("disk"), after)
     assert "booted from network" not in tap.text(after)
+    # power off: the VMI's QEMU is killed
+    current = vmi_uid(api, namespace)
+    ipmi(agent, "power", "off")
+    wait_for(lambda: not qemu_processes(current), HANG_DEADLINE, what="QEMU gone after power off")
 
 
 def test_redfish_boots_the_iso_the_url_serves_once_and_a_blank_one_falls_through(
@@ -136,6 +140,34 @@ def test_sol_shows_the_firmware_and_the_guest_through_pause_reset_and_an_acpi_po
     finally:
         child.kill(signal.SIGKILL)
         child.close()
+
+
+def test_the_guests_own_reboot_keeps_its_vmi_and_its_power_off_follows_the_run_strategy(
+        api: client.ApiClient, namespace: str, tap: SerialTap) -> None:
+    guest_vm(api, namespace, run_strategy="Always")
+    after = tap.login(tap.expect(BOOTED.format("disk")))
+    uid = wait_for(lambda: vmi_uid(api, namespace), HANG_DEADLINE, what="the VMI running")
+    # `reboot` inside the guest: the firmware again, in the same VMI and the same QEMU
+    tap.send(b"reboot\r")
+    after = tap.expect(r"SeaBIOS \(version", after)
+    after = tap.login(tap.expect(BOOTED.format("disk"), after))
+    assert vmi_uid(api, namespace) == uid and len(qemu_processes(uid)) == 1
+    # `poweroff` under Always: the VMI ends and a new one starts
+    tap.send(b"poweroff\r")
+    after = tap.expect(r"reboot: Power down", after)
+    second = wait_for(lambda: (u := vmi_uid(api, namespace)) != uid and u, BOOT_DEADLINE, what="a new VMI")
+    assert not qemu_processes(uid)
+    after = tap.login(tap.expect(BOOTED.format("disk"), after))
+    # under Manual: the VMI ends (Succeeded) and the VM stays off
+    reply = call(api, "PATCH", f"/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines/vm",
+                 {"spec": {"runStrategy": "Manual"}}, content_type="application/merge-patch+json")
+    assert reply.status == 200, reply.body
+    tap.send(b"poweroff\r")
+    tap.expect(r"reboot: Power down", after)
+    wait_for(lambda: printable(api, namespace) == "Stopped", HANG_DEADLINE, what="the VM stopped")
+    wait_for(lambda: not qemu_processes(second), HANG_DEADLINE, what="its QEMU gone")
+    vmi = get_vmi(api, namespace)
+    assert vmi is None or vmi["status"]["phase"] == "Succeeded"
 
 
 def test_the_pages_screen_is_the_guests_own_screen(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import traceback
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,19 +101,39 @@ def deploy(lab: Lab, name: str, driver: str) -> None:
     ironic.wait_provision(name, "active", timeout=300)
 
 
-def test_ironic_virtual_media_deploy_boots_its_iso_in_the_guest(lab: Lab) -> None:
-    since = lab.taps["cd-node"].mark()
-    deploy(lab, "cd-node", "redfish")
+@pytest.fixture(scope="module")
+def deployed(lab: Lab) -> dict[str, tuple[int, str]]:
+    """Both deploys at once, as Ironic's conductor runs them: per node, where its serial line stood before the
+    deploy and the error that stopped it ("" when it reached active)."""
+    marks = {name: lab.taps[name].mark() for name in MACS}
+
+    def run(name: str, driver: str) -> str:
+        try:
+            deploy(lab, name, driver)
+        except Exception as exc:  # reported by the node's test
+            return f"{exc}\n{traceback.format_exc(limit=3)}"
+        return ""
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        errors = dict(zip(MACS, pool.map(run, MACS, ["redfish", "ipmi"]), strict=True))
+    return {name: (marks[name], errors[name]) for name in MACS}
+
+
+def test_ironic_virtual_media_deploy_boots_its_iso_in_the_guest(lab: Lab, deployed: dict[str, tuple[int, str]]) \
+        -> None:
+    since, error = deployed["cd-node"]
+    assert not error, error
     after = lab.taps["cd-node"].expect(BOOTED.format("iso"), since)
-    # undeploy: Ironic ejects the ISO and powers the node off; the guest is gone
+    # undeploy: Ironic ejects the ISO and powers the node off
     lab.ironic.client.provision("cd-node", "deleted")
     lab.ironic.client.wait_provision("cd-node", "available", timeout=300)
     assert "booted from network" not in lab.taps["cd-node"].text(after)
 
 
-def test_ironic_pxe_deploy_through_ipmi_boots_the_guest_from_the_network(lab: Lab) -> None:
-    since = lab.taps["net-node"].mark()
-    deploy(lab, "net-node", "ipmi")
+def test_ironic_pxe_deploy_through_ipmi_boots_the_guest_from_the_network(
+        lab: Lab, deployed: dict[str, tuple[int, str]]) -> None:
+    since, error = deployed["net-node"]
+    assert not error, error
     # Ironic's default boot mode is UEFI: `chassis bootdev pxe options=efiboot`, so OVMF's network boot
     after = lab.taps["net-node"].expect(BOOTED.format("network"), since)
     lab.taps["net-node"].expect(r"KUBEVBMC-GUEST: firmware uefi", after)

@@ -28,7 +28,7 @@ TCG = Acceleration("tcg", "max", "KVM internal error")
 def command(spec: Obj, disks: list[Attachment] | None = None, nics: list[tuple[str, str, int | None]] | None = None,
             firmware: Firmware | None = None, accel: Acceleration = KVM, netboot: str = "/srv/netboot") -> list[str]:
     return qemu_command(name="ns_vm", spec=spec, firmware=firmware or Firmware(BIOS), accel=accel,
-                        variables="/state/VARS.fd", disks=disks or [], nics=nics or [], run_dir="/run/vmi",
+                        variables="/state/VARS.fd", disks=disks or [], nics=nics or [],
                         netboot_dir=netboot, memory_cap=512, cpu_cap=2)
 
 
@@ -115,7 +115,7 @@ def test_identity_consoles_and_caps() -> None:
     assert "-vnc" not in argv and values(argv, "-vga") == ["none"]
     assert values(argv, "-serial") == ["chardev:serial0"]
     no_serial = command({"domain": {"devices": {"autoattachSerialConsole": False}}})
-    assert "-serial" not in no_serial and values(no_serial, "-vnc") == ["unix:/run/vmi/vnc.sock"]
+    assert "-serial" not in no_serial and values(no_serial, "-vnc") == ["unix:vnc.sock"]
 
 
 @pytest.mark.parametrize(("domain", "mib", "cpus"), [
