@@ -322,27 +322,35 @@ class Accelerators:
         firmware = find_firmware(kind)
         key = _probe_key(kind, firmware)
         cache = default_guest_dir().parent / "accelerators.json"
-        try:
-            known = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            known = {}
-        if isinstance(known.get(key), dict):
-            entry = known[key]
-            return Acceleration(str(entry["accel"]), str(entry["cpu"]), str(entry.get("why", "")) + " (cached)")
-        decided = self._try(kind, firmware)
-        with contextlib.suppress(OSError), _CACHE_LOCK:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            with open(cache.with_name(f".{cache.name}.lock"), "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # other kubesims: read, add, write, one at a time
-                try:
-                    known = json.loads(cache.read_text())
-                except (OSError, ValueError):
-                    known = {}
-                known[key] = {"accel": decided.accel, "cpu": decided.cpu, "why": decided.why}
-                temporary = cache.with_name(f".{cache.name}.{os.getpid()}")
-                temporary.write_text(json.dumps(known, indent=1, sort_keys=True))
-                temporary.replace(cache)
+        with contextlib.ExitStack() as held:
+            with contextlib.suppress(OSError):
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                # One trial of a kind on the machine at a time: a second kubesim waits for the first one's verdict
+                lock = held.enter_context(open(cache.with_name(f".{cache.name}.{kind}.lock"), "w"))
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                known = json.loads(cache.read_text())
+            except (OSError, ValueError):
+                known = {}
+            if isinstance(known.get(key), dict):
+                entry = known[key]
+                return Acceleration(str(entry["accel"]), str(entry["cpu"]), str(entry.get("why", "")) + " (cached)")
+            decided = self._try(kind, firmware)
+            self._remember(cache, key, decided)
         return decided
+
+    @staticmethod
+    def _remember(cache: Path, key: str, decided: Acceleration) -> None:
+        with contextlib.suppress(OSError), _CACHE_LOCK, open(cache.with_name(f".{cache.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # other kubesims: read, add, write, one at a time
+            try:
+                known = json.loads(cache.read_text())
+            except (OSError, ValueError):
+                known = {}
+            known[key] = {"accel": decided.accel, "cpu": decided.cpu, "why": decided.why}
+            temporary = cache.with_name(f".{cache.name}.{os.getpid()}")
+            temporary.write_text(json.dumps(known, indent=1, sort_keys=True))
+            temporary.replace(cache)
 
     def _try(self, kind: str, firmware: Firmware) -> Acceleration:
         """The firmware alone under KVM (each CPU model in turn); then, where a test guest is at hand, the race of

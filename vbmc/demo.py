@@ -151,7 +151,8 @@ def _run(args: argparse.Namespace, workdir: Path, keep: bool, stop: threading.Ev
     try:
         cluster.start()
         _check(stop)
-        api = KubeClient(load_credentials(cluster.kubeconfig))
+        # A generous timeout: the first requests (the CRD, compiled with its CEL rules) on a busy machine
+        api = KubeClient(load_credentials(cluster.kubeconfig), timeout=60)
         crd = yaml.safe_load(resources.files("controller").joinpath(
             "crds", "bmc.kubevirt.io_virtualmachinebmcs.yaml").read_text(encoding="utf-8"))
         api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)

@@ -71,16 +71,19 @@ def guest_vm(api: client.ApiClient, ns: str, name: str = "vm", *, firmware: str 
 
 
 def qemu_processes(marker: str) -> list[int]:
-    """The QEMU processes whose command line holds `marker` (a VMI's run directory holds its uid)."""
+    """The QEMU processes whose working directory (a VMI's run directory, named by its uid, in kubesim's state
+    directory) or command line holds `marker`."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
+            cwd = os.readlink(entry / "cwd")
         except OSError:
             continue
-        if argv and argv[0].endswith(b"qemu-system-x86_64") and any(marker.encode() in a for a in argv):
+        if argv and argv[0].endswith(b"qemu-system-x86_64") and (marker in cwd
+                                                                  or any(marker.encode() in a for a in argv)):
             try:
                 if (entry / "stat").read_text().split(") ", 1)[1].startswith("Z"):
                     continue  # exited, not yet reaped by kubesim
