@@ -17,7 +17,15 @@ import pytest
 
 from vbmc.access.throttle import FREE_FAILURES, Engaged, LoginThrottle
 from vbmc.ipmi import IpmiServer
-from vbmc.ipmi.server import FULL, MAX_OPENING_PER_SOURCE, MAX_SESSIONS, OPENING_TIMEOUT, Slot, make_room
+from vbmc.ipmi.server import (
+    FULL,
+    MAX_OPENING,
+    MAX_OPENING_PER_SOURCE,
+    MAX_SESSIONS,
+    OPENING_TIMEOUT,
+    Slot,
+    make_room,
+)
 from vbmc.machine import PowerState, ResetType
 from vbmc.machine.memory import MemoryMachine
 
@@ -78,17 +86,61 @@ def slot(session_id: int, source: str = "a", state: str = "opening", opened: flo
     return Slot(session_id, source, state == "active", state == "named", opened)
 
 
-@pytest.mark.parametrize(("slots", "source", "capacity", "expected"), [
+@pytest.mark.parametrize(("slots", "source", "opening_capacity", "expected"), [
     ([], "a", 4, None),
     ([slot(1, "b", "active")], "a", 4, None),  # a free slot
     ([slot(1, "a", opened=1), slot(2, "a", opened=0), slot(3, "a", opened=2)], "a", 8, 2),  # its own oldest
     ([slot(1, "a", opened=1), slot(2, "a", opened=0), slot(3, "a", opened=2)], "b", 8, None),  # not another's
-    ([slot(1, "a", "active"), slot(2, "b", "named", 0), slot(3, "c", opened=5), slot(4, "d", opened=4)], "e", 4, 4),
-    ([slot(1, "a", "active"), slot(2, "b", "named", 0)], "e", 2, 2),  # one that named a user, if nothing else
-    ([slot(1, "a", "active"), slot(2, "b", "active")], "e", 2, FULL),  # never an authenticated one
+    ([slot(1, "a", "active"), slot(2, "b", "named", 0), slot(3, "c", opened=5), slot(4, "d", opened=4)], "e", 3, 4),
+    ([slot(1, "a", "active"), slot(2, "b", "named", 0)], "e", 1, 2),  # one that named a user, if nothing else
+    ([slot(1, "a", "active"), slot(2, "b", "named", 0)], "e", 2, None),  # half-open slots apart from the others
+    ([slot(1, "a", "active"), slot(2, "b", "active")], "e", 4, FULL),  # never an authenticated one
+    ([slot(1, "a", "active"), slot(2, "b", "active"), slot(3, "e")], "e", 4, FULL),
 ])
-def test_make_room(slots: list[Slot], source: str, capacity: int, expected: int | None) -> None:
-    assert make_room(slots, source, capacity=capacity, per_source=3) == expected
+def test_make_room(slots: list[Slot], source: str, opening_capacity: int, expected: int | None) -> None:
+    assert make_room(slots, source, capacity=2, opening_capacity=opening_capacity, per_source=3) == expected
+
+
+def test_a_flood_from_many_addresses_never_reaches_a_slow_consoles_half_open_session(bmc: IpmiServer) -> None:
+    """However long a console takes between its Open Session Request and its RAKP 1 (a loaded machine, a slow
+    link), sources that keep to MAX_OPENING_PER_SOURCE each cannot evict it: they fill half-open slots of their own."""
+    sources = MAX_OPENING // MAX_OPENING_PER_SOURCE - 1
+    with Console(bmc.address) as slow:
+        assert slow.open_session() is not None
+        flooders = [Console(bmc.address, f"127.0.3.{i + 1}") for i in range(sources)]
+        try:
+            for tag in range(2 * MAX_OPENING_PER_SOURCE):
+                for flooder in flooders:
+                    answer = flooder.open_session(tag=tag)
+                    assert answer is not None and answer.payload[1] == 0
+        finally:
+            for flooder in flooders:
+                flooder.close()
+        assert bmc.counters["evicted"] == sources * MAX_OPENING_PER_SOURCE  # each flooder's own, and no other
+        assert slow.authenticate(USER, PASSWORD) == (4, 0)
+        answer = slow.request(*GET_DEVICE_ID)
+        assert answer is not None and completion(answer.payload) == 0
+
+
+def test_a_login_finishing_after_the_last_authenticated_slot_went_is_refused_and_displaces_nobody(
+        bmc: IpmiServer) -> None:
+    consoles = [Console(bmc.address, f"127.0.1.{i + 1}") for i in range(MAX_SESSIONS - 1)]
+    try:
+        for console in consoles:
+            assert console.login(USER, PASSWORD) == (4, 0)
+        with Console(bmc.address, "127.0.4.1") as first, Console(bmc.address, "127.0.4.2") as second:
+            assert first.open_session() is not None and second.open_session() is not None
+            assert first.authenticate(USER, PASSWORD) == (4, 0)  # the last authenticated slot
+            assert second.authenticate(USER, PASSWORD) == (4, STATUS_INSUFFICIENT_RESOURCES)
+            info = first.request(0x06, 0x3D, b"\x00")  # Get Session Info: the table's size and its active sessions
+            assert info is not None and completion(info.payload) == 0
+            assert (info.payload[8] & 0x3F, info.payload[9] & 0x3F) == (MAX_SESSIONS, MAX_SESSIONS)
+            for console in [*consoles, first]:
+                answer = console.request(*GET_DEVICE_ID)
+                assert answer is not None and completion(answer.payload) == 0
+    finally:
+        for console in consoles:
+            console.close()
 
 
 def test_unauthenticated_open_session_requests_from_many_ports_do_not_lock_the_owner_out(bmc: IpmiServer) -> None:

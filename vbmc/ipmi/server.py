@@ -47,11 +47,15 @@ log = logging.getLogger("vbmc.ipmi")
 T = TypeVar("T")
 
 LAN_CHANNEL = 1
-MAX_SESSIONS = 32
+MAX_SESSIONS = 32  # authenticated sessions (what Get Session Info reports as the table's size)
 # Unauthenticated (half-open) sessions: a console sends each RAKP message within a round trip of the answer before
 # it, and retransmits after a second; anything slower is a client gone or an attacker holding a slot.
 OPENING_TIMEOUT = 3.0
 MAX_OPENING_PER_SOURCE = 4  # half-open sessions one source address may hold; its oldest makes room for its newest
+# Half-open sessions, held apart from the authenticated ones: up to 3 KB each and only while a flood lasts (they expire
+# after OPENING_TIMEOUT), so a table this size costs under 1 MB and lets a flood from 63 source addresses (each kept to
+# MAX_OPENING_PER_SOURCE) never reach the half-open session of anyone else, however slowly its console answers.
+MAX_OPENING = 256
 IDLE_TIMEOUT = 60.0  # session inactivity timeout (section 6.12.15 suggests 60 s)
 WRITE_DEADLINE = 0.8  # a slower backend write is answered 0xC0 (node busy) before ipmitool gives up a try (1 s)
 POLL_INTERVAL = 0.2  # the longest stop() waits for the serving thread (it wakes it through its wake socket)
@@ -410,9 +414,9 @@ class IpmiServer:
 
     def _open_session(self, packet: bytes, sockaddr: Any) -> None:
         """An Open Session Request (section 13.17) never closes or displaces an authenticated session: a new
-        half-open session takes a free slot, else the slot of its own source's oldest half-open session (past
-        MAX_OPENING_PER_SOURCE), else of the oldest half-open session; with every slot authenticated it is refused
-        with "insufficient resources"."""
+        half-open session takes the slot of its own source's oldest half-open session (past MAX_OPENING_PER_SOURCE),
+        else a free half-open slot, else the slot of the oldest half-open session; with every authenticated slot
+        taken it is refused with "insufficient resources"."""
         assert self._transport is not None
         (length,) = struct.unpack_from("<H", packet, 14)
         request = packet[16:16 + length]
@@ -487,6 +491,9 @@ class IpmiServer:
         log.debug("ipmi protocol=ipmi action=authenticate vm=%s user=%r client=%s result=%r", self._vm,
                   session.username, _client(session.sockaddr), f"throttled for {wait:.0f} s")
         return True
+
+    def room_to_activate(self, session: RmcpPlusSession) -> bool:
+        return sum(1 for s in self._sessions.values() if s.active) < MAX_SESSIONS
 
     def auth_succeeded(self, session: RmcpPlusSession) -> None:
         self.throttle.succeeded(_host(session.sockaddr))
@@ -974,22 +981,23 @@ class Slot(NamedTuple):
     opened: float
 
 
-FULL = -1  # make_room's answer when every slot is authenticated
+FULL = -1  # make_room's answer when every authenticated slot is taken
 
 
-def make_room(slots: list[Slot], source: str, capacity: int = MAX_SESSIONS,
+def make_room(slots: list[Slot], source: str, capacity: int = MAX_SESSIONS, opening_capacity: int = MAX_OPENING,
               per_source: int = MAX_OPENING_PER_SOURCE) -> int | None:
-    """Where a new half-open session from `source` goes: None for a free slot, else the ID of the half-open
-    session it replaces (`source`'s own oldest once it holds `per_source`, else the oldest of all, one still
-    waiting for RAKP 1 before one that named a user), or FULL when every slot is authenticated."""
+    """Where a new half-open session from `source` goes: FULL when `capacity` sessions are authenticated, else the ID
+    of the half-open session it replaces (`source`'s own oldest once it holds `per_source`, else, with
+    `opening_capacity` half-open, the oldest of all, one still waiting for RAKP 1 before one that named a user), or
+    None for a free slot."""
     opening = [slot for slot in slots if not slot.active]
+    if len(slots) - len(opening) >= capacity:
+        return FULL
     own = [slot for slot in opening if slot.source == source]
     if len(own) >= per_source:
         return min(own, key=_eviction_order).session_id
-    if len(slots) < capacity:
+    if len(opening) < opening_capacity:
         return None
-    if not opening:
-        return FULL
     return min(opening, key=_eviction_order).session_id
 
 

@@ -82,6 +82,10 @@ class SessionHost(Protocol):
         """True when the session's source is locked out after failed logins (see vbmc/access/throttle.py)."""
         ...
 
+    def room_to_activate(self, session: RmcpPlusSession) -> bool:
+        """False when every authenticated slot is taken (another console logged in while this one did)."""
+        ...
+
     def auth_succeeded(self, session: RmcpPlusSession) -> None: ...
 
     def rakp2_sent(self, session: RmcpPlusSession) -> None:
@@ -362,6 +366,9 @@ class RmcpPlusSession(serversession.ServerSession):
         if not hmac.compare_digest(bytes(data[8:]), expected):
             self.host.auth_failed(self, "RAKP 3 integrity check failed: wrong password")
             self._send_rakp4(tag, STATUS_INVALID_INTEGRITY_CHECK_VALUE)
+            return
+        if not self.host.room_to_activate(self):
+            self._send_rakp4(tag, STATUS_INSUFFICIENT_RESOURCES)
             return
         # No BMC key (Kg) is configured, so the user key takes its place (section 13.31).
         sik = hmac.new(self._kuid, self._rm + self._rc + role_and_name, rakp_hash).digest()
