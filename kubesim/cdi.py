@@ -47,6 +47,7 @@ import struct
 import subprocess
 import threading
 import time
+import traceback
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,15 @@ class ProbeResult:
 
 class _NotLoopback(Exception):
     """The source (or a redirect) names a host kubesim must not contact."""
+
+
+_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/?#@\s\"']*@")
+
+
+def redacted(text: str) -> str:
+    """`text` with the user and password taken out of every URL in it (`https://user:pw@host/x` becomes
+    `https://host/x`): what goes into kubesim's log of a source URL, or of an error naming one."""
+    return _USERINFO.sub(r"\1", text)
 
 
 class SourceError(Exception):
@@ -297,7 +307,8 @@ class Download:
             self.failure = f'HTTP request errored: Get "{exc}": redirected to a host that is not loopback'
         except Exception as exc:
             if not self._cancelled.is_set():
-                log.exception("datavolume %s/%s: import failed", self.namespace, self.claim)
+                log.warning("datavolume %s/%s: import failed: %s", self.namespace, self.claim,
+                            redacted("".join(traceback.format_exception(exc))))
             self.failure = f"{TRANSFER_FAILED}: {exc}"
         with self._lock:
             self._finished = True
@@ -308,8 +319,8 @@ class Download:
         for path in files:
             self.volumes.discard(path)
         if self.failure and not self._cancelled.is_set():
-            log.info("datavolume %s/%s: import from %s failed: %s", self.namespace, self.claim, self.url,
-                     self.failure)
+            log.info("datavolume %s/%s: import from %s failed: %s", self.namespace, self.claim, redacted(self.url),
+                     redacted(self.failure))
         self.on_done()
 
     def _transfer(self) -> Path:
@@ -402,7 +413,7 @@ class Download:
         qemu_img = qemu_img_command()
         if qemu_img is None:
             log.warning("datavolume %s/%s: %s is a qcow2 image and qemu-img is not installed: its file keeps the "
-                        "qcow2 bytes, not converted to raw", self.namespace, self.claim, url)
+                        "qcow2 bytes, not converted to raw", self.namespace, self.claim, redacted(url))
             return image
         raw = self._new_file()
         command = [qemu_img, "convert", "-f", "qcow2", "-O", "raw", str(image), str(raw)]
@@ -601,7 +612,7 @@ class DataVolumeImporter(ControlLoop):
                                 on_done=lambda: self.enqueue(key))
             download.in_transfer = in_transfer
             self._downloads[uid] = (key, download)
-        log.info("datavolume %s/%s: importing %s", ns, name, url)
+        log.info("datavolume %s/%s: importing %s", ns, name, redacted(url))
         download.start()
         return download
 
@@ -695,8 +706,8 @@ class DataVolumeImporter(ControlLoop):
             result = self._probed.get(uid)
             if result is None:
                 result = self._probed[uid] = probe(url, ca_pem=self._ca_bundle(ns, dv))  # I/O: off the lock
-                log.info("datavolume %s/%s: source %s %s", ns, name, url,
-                         ("reachable" if result.ok else f"failed: {result.message}") if result.contacted
+                log.info("datavolume %s/%s: source %s %s", ns, name, redacted(url),
+                         ("reachable" if result.ok else f"failed: {redacted(result.message)}") if result.contacted
                          else "not contacted (not loopback): import simulated")
             if not result.ok:
                 phase, failure = FAILED, result.message

@@ -40,6 +40,7 @@ kubesim even when kubesim is killed; it ends with its VMI (SIGTERM, then SIGKILL
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import json
@@ -70,7 +71,6 @@ Obj = dict[str, Any]
 
 QEMU = "qemu-system-x86_64"
 OVMF_DIRS = ("/usr/share/OVMF", "/usr/share/edk2/ovmf", "/usr/share/qemu")
-IPXE_DIRS = ("/usr/lib/ipxe/qemu", "/usr/share/ipxe/qemu", "/usr/share/qemu")
 BIOS, EFI, EFI_SECURE = "bios", "efi", "efi-secure"
 BIOS_BOOTFILE, EFI_BOOTFILE = "boot.ipxe", "bootx64.efi"
 PROBE_DEADLINE = 60.0  # a probe that has decided nothing by then is a hang: TCG
@@ -130,12 +130,6 @@ def find_firmware(kind: str) -> Firmware:
     if not code or not variables:
         raise FileNotFoundError(f"no OVMF firmware for {kind} guests in {', '.join(OVMF_DIRS)} (Debian: ovmf)")
     return Firmware(kind, code, variables)
-
-
-def boot_rom() -> str:
-    """iPXE's ROM for virtio-net (Debian: ipxe-qemu), which QEMU loads for a NIC that boots: BIOS and EFI
-    drivers in one."""
-    return _first(IPXE_DIRS, ("efi-virtio.rom",))
 
 
 # ---------------------------------------------------------------- the accelerator
@@ -647,6 +641,8 @@ class GuestConfig:
     state_dir: str
     volumes: VolumeFiles
     accelerators: Accelerators
+    # The MAC of an interface without macAddress (namespace, VMI name, interface): the one the VMI's status shows.
+    mac_of: Callable[[str, str, str], str]
     netboot_dir: str = ""
     memory_cap: int = DEFAULT_MEMORY_MIB
     cpu_cap: int = 1
@@ -654,8 +650,6 @@ class GuestConfig:
     # Called (namespace, name, uid, failed) when a guest's QEMU is gone without kubesim ending it: the guest
     # powered itself off (failed=False) or QEMU died (failed=True).
     on_exit: Callable[[str, str, str, bool], None] | None = None
-    # The MAC of an interface without macAddress (namespace, VMI name, interface): the one the VMI's status shows.
-    mac_of: Callable[[str, str, str], str] = lambda ns, name, iface: "52:54:00:00:00:01"
 
 
 def nvram_path(state_dir: str, namespace: str, name: str) -> str:
@@ -686,6 +680,10 @@ class QemuGuest(SerialLine):
         self._media: dict[str, str | None] = {}  # CD-ROM device id -> file inserted
         self._media_lock = threading.Lock()
         self._latest_spec: Obj = {}
+        # What virt-handler asked of the domain, done in the order asked, once QEMU runs, by one thread at a time
+        self._actions: collections.deque[Callable[[], None]] = collections.deque()
+        self._actions_lock = threading.Lock()
+        self._acting = False
         self._vnc_peer: VncPeer | None = None
         self.accelerator = ""
         self.failure = ""
@@ -881,14 +879,27 @@ class QemuGuest(SerialLine):
     # ---- power, as virt-handler drives the domain
 
     def _after_start(self, action: Callable[[], None]) -> None:
-        def run() -> None:
-            self._started.wait(START_DEADLINE * 2)
+        """`action` once QEMU runs, after every action asked before it (a pause and the unpause that follows it
+        never swap)."""
+        with self._actions_lock:
+            self._actions.append(action)
+            if self._acting:
+                return
+            self._acting = True
+        threading.Thread(target=self._act, name=f"qmp-{self.name}", daemon=True).start()
+
+    def _act(self) -> None:
+        self._started.wait(START_DEADLINE * 2)
+        while True:
+            with self._actions_lock:
+                if not self._actions:
+                    self._acting = False
+                    return
+                action = self._actions.popleft()
             try:
                 action()
             except QmpError as exc:
                 log.info("vmi %s/%s: %s", self.namespace, self.name, exc)
-
-        threading.Thread(target=run, daemon=True).start()
 
     def _reboot(self, spec: Obj, soft: bool) -> None:
         if self.ended or self._stopping:
@@ -928,7 +939,7 @@ class QemuGuest(SerialLine):
         self._latest_spec = spec
         if not self._started.is_set() or self._qmp is None or self.ended:
             return  # _launch looks at the latest spec once QEMU runs
-        threading.Thread(target=self._update_media, args=(spec,), name=f"media-{self.name}", daemon=True).start()
+        self._after_start(lambda: self._update_media(self._latest_spec))
 
     def _update_media(self, spec: Obj) -> None:
         with self._media_lock:

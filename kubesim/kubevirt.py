@@ -1634,9 +1634,9 @@ def install(cluster: Any) -> None:
     if config.guests == "qemu":
         from .guests import Accelerators, GuestConfig, QemuGuest
         accelerators = Accelerators(config.accelerator, config.process_cpus)
-        guests = GuestConfig(os.path.join(cluster.state_dir, "guests"), cluster.volumes, accelerators,
+        guests = GuestConfig(os.path.join(cluster.state_dir, "guests"), cluster.volumes, accelerators, generated_mac,
                              config.netboot_dir, config.guest_memory_mib, config.guest_cpus, config.process_cpus,
-                             handler.guest_ended, generated_mac)
+                             handler.guest_ended)
         accelerators.probe_all()
         consoles = SerialConsoles(lambda ns, name, uid: QemuGuest(ns, name, uid, guests))
         handler.guests = consoles

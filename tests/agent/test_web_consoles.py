@@ -30,9 +30,9 @@ from vbmc.redfish.server import BackgroundServer, ServerConfig
 from vbmc.web import SCREEN_URI, SERIAL_URI, Consoles, WebFront
 from vbmc.web.consoles import Refusal, Upgrade, same_origin, upgrade
 
-from ..support import rfb as test_rfb
 from ..support.agents import PASSWORD, USER, AgentProcess, agent_for_vm, free_port
 from ..support.cluster import Sim, wait_for
+from ..support.rfb import rfb_over
 from ..support.vms import running_vmi_uid
 
 Obj = dict[str, Any]
@@ -367,15 +367,7 @@ def test_a_plain_websocket_client_reads_the_vms_serial_line_at_the_console_uri(
                                          subprotocols=["binary", f"x-auth-token.{token}"], sslopt={"context": tls},
                                          timeout=10)
 
-    def receive(timeout: float) -> bytes:
-        screen.settimeout(timeout)
-        try:
-            opcode, data = screen.recv_data()
-        except websocket.WebSocketTimeoutException:
-            return b""
-        return bytes(data) if opcode == websocket.ABNF.OPCODE_BINARY else b""
-
-    viewer = test_rfb.RfbClient(receive, screen.send_binary)
+    viewer = rfb_over(screen)
     viewer.handshake()
 
     def prompt() -> bool:

@@ -23,7 +23,7 @@ from ..sim.test_console import endpoint
 from ..support.agents import AgentProcess, free_port, ipmitool_argv, write_serving_certificate
 from ..support.cluster import HANG_DEADLINE, Sim, bmc_sim, call, wait_for
 from ..support.guests import BOOT_DEADLINE, GUEST_PASSWORD, SHELL, SerialTap, guest_vm, qemu_processes, sim_flags
-from ..support.rfb import RfbClient
+from ..support.rfb import rfb_over
 from ..support.vms import get_vmi, printable
 from .conftest import BOOTED, CD, SYSTEM, agent_for, boot_once, eject, insert, ipmi, redfish, reset
 
@@ -192,15 +192,7 @@ def test_the_pages_screen_is_the_guests_own_screen(
                                              timeout=10)
         stack.callback(screen.close)
 
-        def receive(timeout: float) -> bytes:
-            screen.settimeout(timeout)
-            try:
-                opcode, data = screen.recv_data()
-            except websocket.WebSocketTimeoutException:
-                return b""
-            return bytes(data) if opcode == websocket.ABNF.OPCODE_BINARY else b""
-
-        viewer = RfbClient(receive, screen.send_binary)
+        viewer = rfb_over(screen)
         viewer.handshake()
         assert (viewer.width, viewer.height) == (720, 400)  # QEMU's VGA in text mode: 80x25 cells of 9x16
 

@@ -3,6 +3,10 @@ virt-launcher's converter (pkg/virt-launcher/virtwrap/converter) and libvirt mak
 
 from __future__ import annotations
 
+import random
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,13 +16,19 @@ from kubesim.guests import (
     EFI,
     EFI_SECURE,
     Acceleration,
+    Accelerators,
     Attachment,
     Firmware,
+    GuestConfig,
+    QemuGuest,
     firmware_kind,
     memory_mib,
     qemu_command,
     vcpus,
 )
+from kubesim.volumes import VolumeFiles
+
+from ..support.cluster import wait_for
 
 Obj = dict[str, Any]
 KVM = Acceleration("kvm", "host")
@@ -126,3 +136,30 @@ def test_identity_consoles_and_caps() -> None:
 def test_memory_and_vcpus(domain: Obj, mib: int, cpus: int) -> None:
     assert memory_mib({"domain": domain}, 512) == mib
     assert vcpus({"domain": domain}, 4) == cpus
+
+
+def test_what_is_asked_of_a_guest_reaches_qemu_in_the_order_asked(tmp_path: Path) -> None:
+    """A pause and the unpause right after it, a reset and a power-off: each QMP command waits for the one before,
+    however long that one takes."""
+    config = GuestConfig(str(tmp_path), VolumeFiles(str(tmp_path / "volumes")), Accelerators("tcg"),
+                         lambda ns, name, iface: "52:54:00:00:00:01")
+    guest = QemuGuest("ns", "vm", "uid", config)
+    done: list[int] = []
+    rng = random.Random(27)
+    before = threading.active_count()
+
+    def action(i: int, pause: float) -> Any:
+        def run() -> None:
+            time.sleep(pause)
+            done.append(i)
+        return run
+
+    for i in range(20):  # asked before QEMU runs: held until it does
+        guest._after_start(action(i, rng.random() / 100))
+    assert done == []
+    guest._started.set()
+    for i in range(20, 40):
+        guest._after_start(action(i, rng.random() / 100))
+    wait_for(lambda: len(done) == 40, timeout=30, what="every action")
+    assert done == list(range(40))
+    wait_for(lambda: threading.active_count() <= before, timeout=30, what="the thread that ran them to end")

@@ -26,7 +26,7 @@ from kubesim.screen import (
 )
 
 from ..support.cluster import Sim, call, wait_for
-from ..support.rfb import NOVNC_FORMAT, RfbClient
+from ..support.rfb import NOVNC_FORMAT, RfbClient, rfb_over
 from ..support.vms import make_vm
 from .test_console import PROTOCOL, Endpoint, create_vmi, endpoint, read_until, running_vm, vmi, wait_closed
 
@@ -202,19 +202,6 @@ def vnc_url(kube: Endpoint, ns: str, name: str = "vm", query: str = "") -> str:
 def connect(kube: Endpoint, ns: str, name: str = "vm", query: str = "") -> websocket.WebSocket:
     return websocket.create_connection(vnc_url(kube, ns, name, query), header=[f"Authorization: Bearer {kube.token}"],
                                        subprotocols=[PROTOCOL], sslopt={"context": kube.tls}, timeout=5)
-
-
-def rfb_over(ws: websocket.WebSocket) -> RfbClient:
-    def receive(timeout: float) -> bytes:
-        ws.settimeout(timeout)
-        try:
-            opcode, data = ws.recv_data()
-        except websocket.WebSocketTimeoutException:
-            return b""
-        assert opcode == websocket.ABNF.OPCODE_BINARY, (opcode, data)
-        return bytes(data)
-
-    return RfbClient(receive, ws.send_binary)
 
 
 def refusal(kube: Endpoint, ns: str, name: str = "vm", query: str = "") -> tuple[int, Obj]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.server
+import logging
 import os
 import random
 import shutil
@@ -699,3 +700,25 @@ def test_a_datavolume_recreated_under_the_same_name_gets_its_own_file(cluster: C
 
     assert sha256_of(cluster.volumes.claim_file(namespace, "disk")) == second
     assert files_in(cluster, namespace) == ["disk.img"]
+
+
+def test_a_password_in_a_source_url_never_reaches_the_log(cluster: Cluster, namespace: str, images: Images,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    images.add_blocks("/disk.img", MI)
+    images.add_redirect("/latest.img", with_password(images.url("/disk.img"), "t0ken-2"))
+    images.add_truncated("/cut.img", 2 * MI, MI)
+    caplog.set_level(logging.DEBUG)
+    create_datavolume(cluster, namespace, "fine", {"http": {"url": with_password(images.url("/latest.img"),
+                                                                                   "s3cret-1")}})
+    create_datavolume(cluster, namespace, "cut", {"http": {"url": with_password(images.url("/cut.img"), "s3cret-3")}})
+
+    assert wait_phase(cluster, namespace, "fine", "Succeeded", "Failed")["status"]["phase"] == "Succeeded"
+    assert wait_phase(cluster, namespace, "cut", "Succeeded", "Failed")["status"]["phase"] == "Failed"
+
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert images.url("/cut.img") in logged  # the failure is logged, with the URL it came from...
+    assert "operator@" not in logged and "s3cret" not in logged and "t0ken" not in logged  # ...but not its password
+
+
+def with_password(url: str, password: str) -> str:
+    return url.replace("://", f"://operator:{password}@", 1)

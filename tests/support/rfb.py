@@ -7,6 +7,8 @@ import struct
 import time
 from collections.abc import Callable
 
+import websocket
+
 from kubesim import font
 
 # The pixel format noVNC asks for (core/rfb.js _sendSetPixelFormat): 32 bpp, depth 24, little-endian, true colour,
@@ -139,3 +141,21 @@ def screen_text(pixels: bytes, width: int, height: int) -> str:
             chars.append(" " if cursor else glyphs.get(bytes(rows), "?"))
         lines.append("".join(chars).rstrip())
     return "\n".join(lines).rstrip("\n")
+
+
+def rfb_over(ws: websocket.WebSocket) -> RfbClient:
+    """An RFB client over a WebSocket whose binary messages carry RFB (kubesim's `vnc`, the agent's screen)."""
+
+    def receive(timeout: float) -> bytes:
+        ws.settimeout(timeout)
+        try:
+            opcode, data = ws.recv_data()
+        except websocket.WebSocketTimeoutException:
+            return b""
+        # The agent's screen also sends text messages about the connection (vbmc/web/consoles.py): not RFB
+        return bytes(data) if opcode == websocket.ABNF.OPCODE_BINARY else b""
+
+    def send(data: bytes) -> None:
+        ws.send_binary(data)
+
+    return RfbClient(receive, send)
