@@ -149,8 +149,8 @@ def desired_role(bmc: Obj, vm: str, cdroms: list[str], claims: Sequence[str] = (
 
     The RBAC docs: a list or watch is allowed by a resourceNames rule only when it carries the field selector
     `metadata.name=<name>` (the agent's watches do); create cannot be restricted by name (the name is not known
-    at authorization), so creating DataVolumes is the one namespace-wide permission, and the agent only names
-    them `<vm>-<cdrom disk>`.
+    at authorization), so creating DataVolumes, and CDI's UploadTokenRequests for an upload into one, are the
+    namespace-wide permissions, and the agent only names them `<vm>-<cdrom disk>`.
     """
     bmc_name = bmc["metadata"]["name"]
     dvs = sorted({f"{vm}-{disk}" for disk in cdroms} | set(disks))
@@ -194,6 +194,10 @@ def desired_role(bmc: Obj, vm: str, cdroms: list[str], claims: Sequence[str] = (
         rules.append({"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "resourceNames": dvs,
                       "verbs": ["get", "delete"]})
         rules.append({"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "verbs": ["create"]})
+        # A medium uploaded from the web page: CDI's upload token for its DataVolume's claim (vbmc/web/upload.py).
+        # Create only, and not restricted by name either; CDI's token names the claim the upload may write.
+        rules.append({"apiGroups": ["upload.cdi.kubevirt.io"], "resources": ["uploadtokenrequests"],
+                      "verbs": ["create"]})
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(bmc, child_name(vm), vm),
             "rules": rules}
 

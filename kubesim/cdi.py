@@ -21,9 +21,14 @@ just before the DataVolume turns Succeeded, never before, and never half-written
   a download failing midway, a stalled server (no byte for DOWNLOAD_READ_TIMEOUT) fail the DataVolume and leave no
   file. A server answering a request without Range with 206 (a test double stating the size of an image it does
   not serve) gets a file of the stated total size: the bytes it sent at their offsets, the rest zeros.
+- an upload source is CDI's upload (kubesim/upload.py): Pending → UploadScheduled → UploadReady, where it stays until
+  a client has streamed the image through the upload proxy, which writes the claim's file; then Succeeded (progress
+  "100.0%"). The claim carries CDI's annotations: `storage.upload.target` (an upload target), and the upload pod's
+  phase and readiness (`storage.pod.phase` Pending/Running/Succeeded, `storage.pod.ready`), which the proxy reads as
+  CDI's does (pkg/controller/datavolume/upload-controller.go, pkg/uploadproxy/uploadproxy.go).
 - every other source is simulated, and its file is a stand-in: a sparse file (all zeros) of the claim's requested
   size, for a `blank` image (what CDI writes too), an http(s) source whose host is not loopback, and every source
-  kubesim does not implement (registry, s3, upload, clone...).
+  kubesim does not implement (registry, s3, clone...).
 When the controller is built without volume files (`volumes=None`), no file is written, as before.
 
 Network rule: kubesim never sends traffic outside loopback. An http(s) source whose host is a loopback literal
@@ -66,6 +71,7 @@ Obj = dict[str, Any]
 DV_KEY = "cdi.kubevirt.io/datavolumes"
 CLAIM_KEY = "/persistentvolumeclaims"
 PENDING, IMPORT_SCHEDULED, IMPORT_IN_PROGRESS = "Pending", "ImportScheduled", "ImportInProgress"
+UPLOAD_SCHEDULED, UPLOAD_READY = "UploadScheduled", "UploadReady"
 SUCCEEDED, FAILED = "Succeeded", "Failed"
 FINAL_PHASES = (SUCCEEDED, FAILED)
 PROBE_TIMEOUT = 2.0
@@ -78,8 +84,14 @@ CHUNK = 1 << 20  # bytes copied at a time: the download's memory
 QCOW2_MAGIC = b"QFI\xfb"
 TRANSFER_FAILED = "Unable to transfer source data to target file"
 
-# Fractions of import_delay at which the importer pod is scheduled and starts transferring.
+# Fractions of import_delay at which the importer pod is scheduled and starts transferring (an upload pod: is
+# scheduled, and is ready to take the upload).
 SCHEDULED_AT, TRANSFER_AT = 0.1, 0.25
+# CDI's annotations on an upload's claim (pkg/controller/common/util.go): it is an upload target, and the upload
+# pod's phase and readiness, which the upload proxy reads (kubesim/upload.py).
+UPLOAD_TARGET = "cdi.kubevirt.io/storage.upload.target"
+POD_PHASE = "cdi.kubevirt.io/storage.pod.phase"
+POD_READY = "cdi.kubevirt.io/storage.pod.ready"
 
 
 def loopback_address(host: str | None) -> str | None:
@@ -462,6 +474,8 @@ def desired_claim(dv: Obj) -> Obj:
         claim_spec["storageClassName"] = wanted["storageClassName"]
     kind, url = import_source(spec)
     annotations = {"cdi.kubevirt.io/storage.import.endpoint": url} if kind == "http" else {}
+    if kind == "upload":
+        annotations = {UPLOAD_TARGET: ""}  # the upload controller's updateAnnotations
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
             "metadata": {"name": meta["name"], "namespace": meta.get("namespace", ""),
                          "labels": {"app": "containerized-data-importer"}, "annotations": annotations,
@@ -472,12 +486,14 @@ def desired_claim(dv: Obj) -> Obj:
 
 
 def import_source(spec: Obj) -> tuple[str, str]:
-    """(kind, url): "http" with its url, "blank", or "other" (registry, s3, upload, clone…: simulated)."""
+    """(kind, url): "http" with its url, "blank", "upload", or "other" (registry, s3, clone…: simulated)."""
     source: Obj = spec["source"] if isinstance(spec.get("source"), dict) else {}
     if isinstance(source.get("http"), dict):
         return "http", str(source["http"].get("url") or "")
     if "blank" in source:
         return "blank", ""
+    if "upload" in source:
+        return "upload", ""
     return "other", ""
 
 
@@ -495,6 +511,20 @@ def import_phase(elapsed: float, delay: float, kind: str) -> str:
     return SUCCEEDED
 
 
+def upload_phase(elapsed: float, delay: float, uploaded: bool) -> str:
+    """An upload DataVolume's phase: its pod scheduled, then ready (UploadReady) until an upload has completed."""
+    if uploaded:
+        return SUCCEEDED
+    if elapsed < SCHEDULED_AT * delay:
+        return PENDING
+    return UPLOAD_SCHEDULED if elapsed < TRANSFER_AT * delay else UPLOAD_READY
+
+
+def upload_pod(phase: str) -> tuple[str, str] | None:
+    """The upload pod's (phase, ready) annotations on the claim in a DataVolume phase (None: no pod yet)."""
+    return {UPLOAD_SCHEDULED: ("Pending", "false"), UPLOAD_READY: ("Running", "true")}.get(phase)
+
+
 def progress(elapsed: float, delay: float) -> str:
     span = max(delay * (1 - TRANSFER_AT), 1e-9)
     pct = min(max((elapsed - TRANSFER_AT * delay) / span, 0.0), 0.9999) * 100
@@ -502,7 +532,7 @@ def progress(elapsed: float, delay: float) -> str:
 
 
 def datavolume_status(status: Obj, name: str, phase: str, elapsed: float, delay: float,
-                      failure: str = "") -> Obj:
+                      failure: str = "", complete: str = "Import Complete") -> Obj:
     """The status CDI's controller writes for `phase` (conditions as in conditions.go)."""
     out = dict(status)
     conditions = list(status.get("conditions") or [])
@@ -512,10 +542,14 @@ def datavolume_status(status: Obj, name: str, phase: str, elapsed: float, delay:
         conditions = set_condition(conditions, "Bound", "False", "Pending", f"PVC {name} Pending")
     else:
         conditions = set_condition(conditions, "Bound", "True", "Bound", f"PVC {name} Bound")
-    if phase in (PENDING, IMPORT_SCHEDULED):
+    if phase in (PENDING, IMPORT_SCHEDULED, UPLOAD_SCHEDULED):
         out["progress"] = "N/A"
         conditions = set_condition(conditions, "Ready", "False")
         conditions = set_condition(conditions, "Running", "False")
+    elif phase == UPLOAD_READY:
+        out["progress"] = "N/A"  # CDI reports no progress of an upload
+        conditions = set_condition(conditions, "Ready", "False")
+        conditions = set_condition(conditions, "Running", "True", "Pod is running")
     elif phase == IMPORT_IN_PROGRESS:
         out["progress"] = progress(elapsed, delay)
         conditions = set_condition(conditions, "Ready", "False", "TransferRunning")
@@ -523,7 +557,7 @@ def datavolume_status(status: Obj, name: str, phase: str, elapsed: float, delay:
     elif phase == SUCCEEDED:
         out["progress"] = "100.0%"
         conditions = set_condition(conditions, "Ready", "True")
-        conditions = set_condition(conditions, "Running", "False", "Completed", "Import Complete")
+        conditions = set_condition(conditions, "Running", "False", "Completed", complete)
     elif phase == FAILED:
         out.setdefault("progress", "N/A")
         conditions = set_condition(conditions, "Ready", "False")
@@ -690,6 +724,8 @@ class DataVolumeImporter(ControlLoop):
         self._ensure_claim(ns, dv)
         elapsed = time.monotonic() - self._seen.setdefault(uid, time.monotonic())
         kind, url = import_source(dv.get("spec") or {})
+        if kind == "upload":
+            return self._sync_upload(rtype, ns, name, dv, status, elapsed)
         phase = import_phase(elapsed, self.delay, kind)
         failure = ""
         claim_size = _claim_bytes(dv.get("spec") or {})
@@ -741,7 +777,45 @@ class DataVolumeImporter(ControlLoop):
         return max(step, 0.02)
 
 
+    # ---- uploads (the upload proxy, kubesim/upload.py, writes the claim's file)
+
+    def _sync_upload(self, rtype: Any, ns: str, name: str, dv: Obj, status: Obj, elapsed: float) -> float | None:
+        """CDI's upload controller: the upload pod is scheduled, then ready for the upload proxy, whose completed
+        upload (the claim annotated with the pod Succeeded, its file in place) makes the DataVolume Succeeded."""
+        claim = self._claim(ns, name)
+        annotations = ((claim or {}).get("metadata") or {}).get("annotations") or {}
+        phase = upload_phase(elapsed, self.delay, annotations.get(POD_PHASE) == "Succeeded")
+        pod = upload_pod(phase)
+        if claim is not None and pod is not None:
+            self._annotate_upload_pod(ns, name, pod)
+        if (phase == SUCCEEDED and self.volumes is not None
+                and (claim is None or not self._place_volume(ns, name, dv, claim, None))):
+            return 0.2
+        new_status = datavolume_status(status, name, phase, elapsed, self.delay, complete="Upload Complete")
+        if new_status != status:
+            self.store.mutate(rtype, ns, name, lambda o: o.__setitem__("status", clone(new_status)),
+                              subresource="status", manager=self.manager)
+        if phase in (SUCCEEDED, UPLOAD_READY):
+            return None  # done, or ready until the upload proxy tells of an upload (upload_completed)
+        return max(self.delay * 0.05, 0.02)
+
+    def _annotate_upload_pod(self, ns: str, name: str, pod: tuple[str, str]) -> None:
+        def annotate(claim: Obj) -> bool:
+            found = claim["metadata"].setdefault("annotations", {})
+            if found.get(POD_PHASE) == "Succeeded" or (found.get(POD_PHASE), found.get(POD_READY)) == pod:
+                return False  # the upload's end is the proxy's to write
+            found[POD_PHASE], found[POD_READY] = pod
+            return True
+
+        self.store.mutate(self.store.type(CLAIM_KEY), ns, name, annotate, manager=self.manager, only="metadata")
+
+    def upload_completed(self, ns: str, name: str) -> None:
+        """From the upload proxy: the claim's upload is complete (its file installed, the pod Succeeded)."""
+        self.enqueue((ns, name))
+
+
 def install(cluster: Any) -> None:
-    """Register CDI's import controller with `cluster`, writing into the cluster's volume files."""
+    """Register CDI's import controller with `cluster`, writing into the cluster's volume files (CDI's upload API and
+    proxy, kubesim/upload.py, are installed after it)."""
     cluster.add_component(DataVolumeImporter(cluster.store, cluster.config.import_delay,
                                              getattr(cluster, "volumes", None)))

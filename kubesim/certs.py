@@ -45,11 +45,14 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def serving_cert(hosts: list[str], days: int = 365) -> ServingCert:
+def serving_cert(hosts: list[str], days: int = 365, *, ca_name: str = "kubesim-ca",
+                 common_name: str = "kube-apiserver") -> ServingCert:
+    """A new CA (`ca_name`) and a certificate it signs for `hosts` (`common_name`): the API server's, or another
+    server's of the cluster with a CA of its own (CDI's upload proxy, kubesim/upload.py)."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder()
-          .subject_name(_name("kubesim-ca")).issuer_name(_name("kubesim-ca"))
+          .subject_name(_name(ca_name)).issuer_name(_name(ca_name))
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
           .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
@@ -66,7 +69,7 @@ def serving_cert(hosts: list[str], days: int = 365) -> ServingCert:
         except ValueError:
             sans.append(x509.DNSName(host))
     cert = (x509.CertificateBuilder()
-            .subject_name(_name("kube-apiserver")).issuer_name(ca.subject)
+            .subject_name(_name(common_name)).issuer_name(ca.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))

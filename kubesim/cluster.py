@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from . import builtin, cdi, kubelet, kubevirt, network, storage, workloads
+from . import builtin, cdi, kubelet, kubevirt, network, storage, upload, workloads
 from .certs import serving_cert
 from .crd import CRD_KEY, CRDController
 from .gc import GarbageCollector, NamespaceController
@@ -175,7 +175,7 @@ class Cluster:
             self.store.add_type(rtype)
         self.components += [CRDController(self.store), GarbageCollector(self.store),
                             NamespaceController(self.store)]
-        for part in (network, workloads, kubelet, storage, kubevirt, cdi):
+        for part in (network, workloads, kubelet, storage, kubevirt, cdi, upload):
             part.install(self)
 
     @property

@@ -82,6 +82,9 @@ class SubresourceAPI:
     # handle(method, namespace, resource, name, sub, body) -> (code, object)
     handle: Callable[[str, str, str, str, str, Any], tuple[int, Any]]
     streams: list[Stream] = field(default_factory=list)  # namespaced, GET only
+    # Kinds that are only ever created, by a POST to their namespaced collection (CDI's uploadtokenrequests):
+    # resource -> kind. handle() gets them with an empty name and sub.
+    creates: dict[str, str] = field(default_factory=dict)
 
     def stream(self, resource: str, sub: str) -> Stream | None:
         return next((s for s in self.streams if s.name == f"{resource}/{sub}"), None)
@@ -212,6 +215,9 @@ class ApiServer:
             for stream in sub.streams:
                 resources.append({"name": stream.name, "singularName": "", "namespaced": True,
                                   "kind": stream.kind, "verbs": ["get"]})
+            for name, kind in sub.creates.items():
+                resources.append({"name": name, "singularName": name.removesuffix("s"), "namespaced": True,
+                                  "kind": kind, "verbs": ["create"]})
         if not found:
             return None
         gv = f"{group}/{version}" if group else version
@@ -631,6 +637,10 @@ class _Handler(BaseHTTPRequestHandler):
                 if method != "GET":
                     raise errors.method_not_allowed()
                 return self._websocket(stream, namespace, name)
+            if method == "POST" and namespace and resource in sub_api.creates and not name:
+                body = self._decode(raw, self.fields.get("Content-Type", "application/json"))
+                code, out = sub_api.handle(method, namespace, resource, "", "", body)
+                return self._send_json(code, out)
             if method != "PUT" or not sub:
                 raise errors.method_not_allowed()
             body = self._decode(raw, self.fields.get("Content-Type", "application/json"))

@@ -13,7 +13,7 @@ import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import websocket
@@ -36,6 +36,7 @@ from ..support.rfb import rfb_over
 from ..support.vms import running_vmi_uid
 
 Obj = dict[str, Any]
+B = TypeVar("B", bound="Bmc")
 
 
 # ---------------------------------------------------------------- the upgrade decision, a pure function
@@ -86,8 +87,10 @@ def test_same_origin(origin: str | None, scheme: str, host: str | None, same: bo
 class Bmc:
     def __init__(self, server: BackgroundServer, machine: MemoryMachine, app: Any, serial: SerialHub) -> None:
         self.server, self.machine, self.app, self.serial = server, machine, app, serial
-        self.base = f"http://127.0.0.1:{server.ports[0]}"
-        self.ws = f"ws://127.0.0.1:{server.ports[0]}"
+        self.port = server.ports[0]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.ws = f"ws://127.0.0.1:{self.port}"
+        self.store = app.extensions["vbmc.sessions"]
 
     def login(self) -> tuple[str, str]:
         status, body, headers = redfish_full(self.base, "POST", "/redfish/v1/SessionService/Sessions",
@@ -113,8 +116,9 @@ def redfish_full(base: str, method: str, path: str, body: Any = None, token: str
         return exc.code, json.loads(raw) if raw else None, exc.headers
 
 
-@pytest.fixture
-def bmc() -> Iterator[Bmc]:
+def console_bmc(kind: type[B] | None = None, **options: Any) -> B:
+    """A started BMC (`kind`, a Bmc) of a running memory machine with 2 viewer slots per console; `options` go to
+    Consoles."""
     machine = MemoryMachine()
     machine.reset(ResetType.ON)
     throttle = LoginThrottle()
@@ -122,12 +126,23 @@ def bmc() -> Iterator[Bmc]:
     app = create_app(machine, USER, PASSWORD, throttle=throttle, consoles=access)
     serial = SerialHub(machine, "vm", max_viewers=2)
     consoles = Consoles(app.extensions["vbmc.sessions"], throttle, "vm", serial, ScreenHub(machine, "vm"),
-                        session_check=0.1)
+                        **{"session_check": 0.1, **options})
     server = BackgroundServer(app, ServerConfig(http=f"127.0.0.1:{free_port()}"), web=WebFront(consoles))
-    with server:
-        yield Bmc(server, machine, app, serial)
-    serial.stop()
-    app.extensions["vbmc.events"].close()
+    server.start()
+    return (kind or Bmc)(server, machine, app, serial)  # type: ignore[return-value]
+
+
+def stop_bmc(bmc: Bmc) -> None:
+    bmc.server.stop()
+    bmc.serial.stop()
+    bmc.app.extensions["vbmc.events"].close()
+
+
+@pytest.fixture
+def bmc() -> Iterator[Bmc]:
+    started: Bmc = console_bmc()
+    yield started
+    stop_bmc(started)
 
 
 def open_serial(bmc: Bmc, token: str, **kwargs: Any) -> websocket.WebSocket:
@@ -232,11 +247,16 @@ def test_refusals_before_anything_opens(bmc: Bmc, caplog: pytest.LogCaptureFixtu
     assert token not in caplog.text
 
 
-def test_viewers_are_capped(bmc: Bmc) -> None:
+def test_viewers_are_capped_and_the_refusal_says_why_in_words_a_browser_shows(bmc: Bmc) -> None:
     token, _ = bmc.login()
     first, second = open_serial(bmc, token), open_serial(bmc, token)
-    status, body = refused(bmc, subprotocols=[f"x-auth-token.{token}"])
-    assert (status, body["error"]["message"]) == (503, "the serial console has 2 viewers already")
+    # A browser never sees a refused upgrade's status (it reports 1006): the third viewer is let in to be told why.
+    third = open_serial(bmc, token)
+    why = "2 viewers already watch the serial console, the most it serves: close one (see the sessions view) or try " \
+          "again later"
+    assert next_text(third) == {"Console": "serial", "Attached": False, "Message": why}
+    assert closed_with(third) == (1013, why)
+    assert bmc.serial.viewers == 2
     first.close()
     wait_for(lambda: bmc.serial.viewers < 2, what="the first viewer gone")
     open_serial(bmc, token).close()

@@ -4,11 +4,14 @@ Each frontend says once per request or command who is acting (`bind`: the protoc
 the session); the record is written where the command ends or a login fails (`record`): one log line on the
 `vbmc.audit` logger, with the same fields as attributes of the log record, so that `--log-format json` prints
 them as JSON keys. The backend names the actor in the Events it records (`describe`). Nothing here ever holds a
-password; URLs go through `redact_url` before they reach a log line, an Event or a Redfish property.
+password; URLs go through `redact_url` before they reach a log line, an Event or a Redfish property. The user name
+of a failed login goes through `attempted_user`: what was typed as a user name is sometimes the password, typed in
+the wrong field, so only the BMC's own account's name is ever written.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 log = logging.getLogger("vbmc.audit")
 
 FIELDS = ("protocol", "source", "user", "session", "action", "vm", "result", "duration_ms")
+UNKNOWN_USER = "(unknown user)"  # a failed login's user name when it is not the account's
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,13 @@ def record(action: str, vm: str, result: str, duration: float = 0.0, *, actor: A
     if log.isEnabledFor(level):
         log.log(level, "audit " + " ".join(f"{k}=%r" if k in ("action", "result", "user") else f"{k}=%s"
                                             for k in FIELDS), *fields.values(), extra={"audit": fields})
+
+
+def attempted_user(name: str, account: str) -> str:
+    """The user name a failed login may be logged with: `name` when it is the BMC's `account`, else UNKNOWN_USER
+    (never the text: it may be a password typed in the user name field). Compared in constant time, as the
+    password is."""
+    return name if hmac.compare_digest(name.encode(), account.encode()) else UNKNOWN_USER
 
 
 def redact_url(url: str) -> str:

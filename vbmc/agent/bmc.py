@@ -48,7 +48,7 @@ from ..machine.screen import ScreenHub
 from ..redfish.eventservice import SubscriptionStore
 from ..redfish.resources import ConsoleAccess
 from ..redfish.server import Limits, Listeners, RedfishFront, ServerConfig, connection_slots, hypercorn_config
-from ..web import SCREEN_URI, SERIAL_URI, Consoles, WebFront
+from ..web import SCREEN_URI, SERIAL_URI, Consoles, MediaUploads, WebFront
 
 log = logging.getLogger("vbmc.agent")
 
@@ -139,6 +139,7 @@ class Bmc:
         self.ipmi: Any = None
         self.events: Any = None
         self.front: RedfishFront | None = None
+        self.uploads: MediaUploads | None = None  # the page's virtual media uploads
         self.listeners: Listeners | None = None
         self.https: Listeners | None = None
         self.throttle = LoginThrottle(on_engaged=self._login_throttled)
@@ -159,6 +160,7 @@ class Bmc:
         web: WebFront | None = None
         if spec.redfish:
             from ..redfish import create_app
+            from ..redfish.app import DEFAULT_PORTS
 
             self.screen = ScreenHub(self.machine, spec.vm)
             bmc_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"kubevbmc:{agent.namespace}/{spec.vm}"))
@@ -167,13 +169,18 @@ class Bmc:
             flask_app = create_app(self.machine, spec.username, spec.password, system_id=spec.vm,
                                    bmc_uuid=bmc_uuid, throttle=self.throttle,
                                    subscriptions=self.agent.subscriptions_store(spec),
-                                   event_ca_file=agent.event_ca_file, require_tls=spec.require_tls, consoles=access)
+                                   event_ca_file=agent.event_ca_file, require_tls=spec.require_tls, consoles=access,
+                                   ports=served_ports(spec, DEFAULT_PORTS),
+                                   tls_cert=spec.tls_cert if spec.serves_https else "")
             self.events = flask_app.extensions["vbmc.events"]
             flask_app.wsgi_app = MetricsApp(flask_app.wsgi_app, self.metrics)
             app = flask_app
             consoles = Consoles(flask_app.extensions["vbmc.sessions"], self.throttle, spec.vm, self.serial,
                                 self.screen, require_tls=spec.require_tls)
-            web = WebFront(consoles, require_tls=spec.require_tls)
+            self.uploads = MediaUploads(self.machine, flask_app.extensions["vbmc.sessions"], self.throttle, spec.vm,
+                                        require_tls=spec.require_tls)
+            web = WebFront(consoles, require_tls=spec.require_tls,
+                           https_port=lambda: spec.https_port if self.https is not None else 0, uploads=self.uploads)
         else:
             app = MetricsApp(service_disabled, self.metrics)
         server = self.agent.server_config
@@ -311,9 +318,18 @@ class Bmc:
             self.events.close()
         if self.front is not None:
             self.front.close()
+        if self.uploads is not None:
+            self.uploads.close()
         stop: Callable[[], None] | None = getattr(self.machine, "stop", None)
         if stop is not None:
             stop()
+
+
+def served_ports(spec: BmcSpec, service_ports: dict[str, int]) -> dict[str, int]:
+    """The Service's ports (`service_ports`) of the protocols this BMC serves, as its Manager's NetworkProtocol and
+    Endpoints show them."""
+    served = {"HTTP": bool(spec.http_port), "HTTPS": spec.serves_https, "IPMI": spec.ipmi}
+    return {name: port for name, port in service_ports.items() if served.get(name)}
 
 
 # ---- what a BMC's port answers besides Redfish

@@ -50,6 +50,8 @@ class AgentConfig:
     event_ca_file: str = ""  # CA certificates, besides the system's, for HTTPS event destinations
     redfish_require_tls: bool = False  # refuse credentials over plain HTTP
     media_max_size: int = 64 * 2**30  # the largest image virtual media imports
+    cdi_upload_proxy: str = ""  # CDI's upload proxy ("": CDIConfig's, else its Service)
+    cdi_upload_proxy_ca: str = ""  # the CA file that verifies it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--media-max-size", default=env("VBMC_MEDIA_MAX_SIZE", "64Gi"), metavar="QUANTITY",
                         help="the largest image virtual media imports; a larger one is refused before anything is "
                              "created (default %(default)s)")
+    parser.add_argument("--cdi-upload-proxy", default=env("VBMC_CDI_UPLOAD_PROXY", ""), metavar="URL",
+                        help="CDI's upload proxy, for media uploaded from the web page (default: the CDIConfig's "
+                             "status.uploadProxyURL when readable, else https://cdi-uploadproxy.cdi.svc)")
+    parser.add_argument("--cdi-upload-proxy-ca", default=env("VBMC_CDI_UPLOAD_PROXY_CA", ""), metavar="FILE",
+                        help="the CA certificates that verify the upload proxy (CDI's ConfigMap "
+                             "cdi-uploadproxy-signer-bundle; default: the CDIConfig's status.uploadProxyCA, else the "
+                             "system's and the cluster's CAs)")
     parser.add_argument("--tls-cert", default=env("VBMC_TLS_CERT", ""), metavar="FILE")
     parser.add_argument("--tls-key", default=env("VBMC_TLS_KEY", ""), metavar="FILE")
     parser.add_argument("--subscriptions-secret", default=env("VBMC_SUBSCRIPTIONS_SECRET", ""), metavar="NAME",
@@ -119,7 +128,7 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
         problems.append("--subscriptions-secret needs the kubevirt backend")
     if vmstate.quantity_bytes(args.media_max_size) <= 0:
         problems.append(f"--media-max-size {args.media_max_size!r} is not a size (such as 64Gi)")
-    for path in (args.tls_cert, args.tls_key, args.event_ca_file):
+    for path in (args.tls_cert, args.tls_key, args.event_ca_file, args.cdi_upload_proxy_ca):
         if path and not os.path.exists(path):
             problems.append(f"{path} does not exist")
     if problems:
@@ -131,7 +140,8 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
                        tls_cert=args.tls_cert, tls_key=args.tls_key, kubeconfig=args.kubeconfig,
                        threads=args.threads, subscriptions_secret=args.subscriptions_secret,
                        event_ca_file=args.event_ca_file, redfish_require_tls=args.redfish_require_tls == "true",
-                       media_max_size=vmstate.quantity_bytes(args.media_max_size))
+                       media_max_size=vmstate.quantity_bytes(args.media_max_size),
+                       cdi_upload_proxy=args.cdi_upload_proxy, cdi_upload_proxy_ca=args.cdi_upload_proxy_ca)
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -152,6 +162,8 @@ class PoolSettings:
     threads: int = 2  # Redfish worker threads per member
     event_ca_file: str = ""
     media_max_size: int = 64 * 2**30
+    cdi_upload_proxy: str = ""
+    cdi_upload_proxy_ca: str = ""
 
 
 def settings_from(args: argparse.Namespace) -> PoolSettings:
@@ -166,8 +178,9 @@ def settings_from(args: argparse.Namespace) -> PoolSettings:
         problems.append("--redfish-address (the pool's probes and metrics) must not be empty")
     if vmstate.quantity_bytes(args.media_max_size) <= 0:
         problems.append(f"--media-max-size {args.media_max_size!r} is not a size (such as 64Gi)")
-    if args.event_ca_file and not os.path.exists(args.event_ca_file):
-        problems.append(f"{args.event_ca_file} does not exist")
+    for path in (args.event_ca_file, args.cdi_upload_proxy_ca):
+        if path and not os.path.exists(path):
+            problems.append(f"{path} does not exist")
     if args.threads < 1:
         problems.append("--threads must be at least 1")
     if problems:
@@ -175,7 +188,8 @@ def settings_from(args: argparse.Namespace) -> PoolSettings:
     return PoolSettings(pool=args.pool, namespace=args.namespace or "default", address=args.address or "0.0.0.0",
                         redfish_address=args.redfish_address, secret=args.pool_secret, file=args.pool_file,
                         backend=args.backend, kubeconfig=args.kubeconfig, threads=args.threads,
-                        event_ca_file=args.event_ca_file, media_max_size=vmstate.quantity_bytes(args.media_max_size))
+                        event_ca_file=args.event_ca_file, media_max_size=vmstate.quantity_bytes(args.media_max_size),
+                        cdi_upload_proxy=args.cdi_upload_proxy, cdi_upload_proxy_ca=args.cdi_upload_proxy_ca)
 
 
 def _read(path: str) -> str:
@@ -197,7 +211,8 @@ def dedicated(config: AgentConfig) -> tuple[Settings, BmcSpec]:
                    subscriptions_secret=config.subscriptions_secret,
                    ipmi_host=ipmi_host, http_host=http_host, https_host=https_host)
     settings = Settings(namespace=config.namespace, backend=config.backend, threads=config.threads,
-                        event_ca_file=config.event_ca_file, media_max_size=config.media_max_size)
+                        event_ca_file=config.event_ca_file, media_max_size=config.media_max_size,
+                        cdi_upload_proxy=config.cdi_upload_proxy, cdi_upload_proxy_ca=config.cdi_upload_proxy_ca)
     return settings, spec
 
 
@@ -210,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
             settings = Settings(namespace=pool.namespace, pool=pool.pool, address=pool.address,
                                 redfish_address=pool.redfish_address, backend=pool.backend, threads=pool.threads,
                                 event_ca_file=pool.event_ca_file, media_max_size=pool.media_max_size,
+                                cdi_upload_proxy=pool.cdi_upload_proxy, cdi_upload_proxy_ca=pool.cdi_upload_proxy_ca,
                                 source=pool.file or f"Secret {pool.secret}")
             kubeconfig, backend = pool.kubeconfig, pool.backend
         else:

@@ -73,6 +73,8 @@ class Settings:
     threads: int = 2  # Redfish worker threads per BMC
     event_ca_file: str = ""
     media_max_size: int = 64 * 2**30
+    cdi_upload_proxy: str = ""  # CDI's upload proxy and its CA file (vbmc/machine/kubevirt/upload.py)
+    cdi_upload_proxy_ca: str = ""
     source: str = ""  # where the BMCs come from, for the start line
 
 
@@ -131,9 +133,12 @@ class Agent:
 
             return MemoryMachine(name=spec.vm)
         from ..machine.kubevirt import KubeVirtMachine
+        from ..machine.kubevirt.upload import ProxySettings
 
         machine = KubeVirtMachine(self.kube, self.settings.namespace, spec.vm, spec.name,
-                                  media_max_size=self.settings.media_max_size)
+                                  media_max_size=self.settings.media_max_size,
+                                  upload_proxy=ProxySettings(self.settings.cdi_upload_proxy,
+                                                             self.settings.cdi_upload_proxy_ca))
         machine.start()
         return machine
 

@@ -489,7 +489,8 @@ class IpmiServer:
         # DEBUG: a locked-out client may send as fast as it likes; the lockout itself was logged, refusals are
         # counted in /metrics.
         log.debug("ipmi protocol=ipmi action=authenticate vm=%s user=%r client=%s result=%r", self._vm,
-                  session.username, _client(session.sockaddr), f"throttled for {wait:.0f} s")
+                  audit.attempted_user(session.username, self._username), _client(session.sockaddr),
+                  f"throttled for {wait:.0f} s")
         return True
 
     def room_to_activate(self, session: RmcpPlusSession) -> bool:
@@ -504,9 +505,10 @@ class IpmiServer:
     def auth_failed(self, session: RmcpPlusSession, reason: str) -> None:
         """The one place an IPMI login is decided to have failed: logged, and counted against its source (unless
         it was when its RAKP 2 went out)."""
-        self.throttle.failed(_host(session.sockaddr), "ipmi", session.username, charged=session.charged)
+        user = audit.attempted_user(session.username, self._username)  # never a password typed as a user name
+        self.throttle.failed(_host(session.sockaddr), "ipmi", user, charged=session.charged)
         audit.record("login", self._vm, f"denied: {reason}", level=logging.WARNING,
-                     actor=audit.Actor("ipmi", _client(session.sockaddr), session.username),
+                     actor=audit.Actor("ipmi", _client(session.sockaddr), user),
                      trail=self.machine.audit_trail)
 
     def close(self, session: RmcpPlusSession) -> None:

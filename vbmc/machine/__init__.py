@@ -11,6 +11,7 @@ May import `vbmc.access`; never a frontend or the agent. Nothing outside `kubevi
 
 from .model import (
     STALE_READS,
+    UPLOAD_SCHEME,
     BackendUnavailable,
     BootEnabled,
     BootMode,
@@ -26,6 +27,7 @@ from .model import (
     Machine,
     MachineError,
     MediaState,
+    MediaUpload,
     Nic,
     PowerState,
     ResetType,
@@ -35,7 +37,7 @@ from .model import (
     VirtualMedia,
 )
 
-__all__ = ["STALE_READS", "BackendUnavailable", "BootEnabled", "BootMode", "BootOverride", "BootTarget",
-           "ConsoleUnavailable", "Disk", "Health", "HealthState", "ImageUnusable", "InvalidRequest", "Inventory",
-           "Machine", "MachineError", "MediaState", "Nic", "PowerState", "ResetType", "SecureBoot", "SerialConsole",
-           "Unsupported", "VirtualMedia"]
+__all__ = ["STALE_READS", "UPLOAD_SCHEME", "BackendUnavailable", "BootEnabled", "BootMode", "BootOverride",
+           "BootTarget", "ConsoleUnavailable", "Disk", "Health", "HealthState", "ImageUnusable", "InvalidRequest",
+           "Inventory", "Machine", "MachineError", "MediaState", "MediaUpload", "Nic", "PowerState", "ResetType",
+           "SecureBoot", "SerialConsole", "Unsupported", "VirtualMedia"]

@@ -9,9 +9,16 @@ serial line stays up while the machine behind it reboots.
 WebSocket client of the Redfish `SerialConsole.WebSocket.ConsoleURI`), attached while at least one viewer is and
 never more than once: one connection to KubeVirt per VMI. Every viewer sees the same output. What any viewer types
 goes to the line as it comes, chunk by chunk: two people typing at once interleave their keystrokes on the one
-line, as two people at one serial terminal server port would (a physical BMC's shared SOL does the same). A viewer
-that joins late is shown the last `SCROLLBACK` bytes first (the web page), or nothing (SOL starts blank, as
-ipmitool expects).
+line, as two people at one serial terminal server port would (a physical BMC's shared SOL does the same).
+
+The hub keeps the last `SCROLLBACK` bytes of the line's output, whether or not anyone watches: they outlive the
+viewers (the last one leaving detaches from the machine, as before, but what the line showed stays) and the
+machine's instances (a reset), so that a viewer who joins is shown them first (the web page, `replay`), however long
+after the others left: the boot text, the login prompt, the last command's output. IPMI SOL joins without them
+(it starts blank, as ipmitool expects). What the machine prints while no viewer is attached reaches the hub only
+if the machine keeps it for the next connection (kubesim does, up to 16 KiB; KubeVirt's console drops it): the
+hub attaches only while someone watches, because KubeVirt takes one console connection per VMI and a hub attached
+for good would take the line from every `virtctl console`.
 """
 
 from __future__ import annotations
@@ -38,6 +45,12 @@ Opener = Callable[[Callable[[bytes], None], Callable[[str], None]], SerialConsol
 
 class TooManyViewers(Exception):
     """The line has as many viewers as it takes."""
+
+
+def too_many(viewers: int, console: str) -> str:
+    """Why a viewer is refused, in words a person can act on (at most 123 bytes: a WebSocket close reason)."""
+    return (f"{viewers} viewers already watch {console}, the most it serves: close one (see the sessions view) or "
+            "try again later")
 
 
 class ConsoleBridge:
@@ -212,11 +225,10 @@ class SerialHub:
         viewer = SerialViewer(self, output, attached, counted)
         with self._lock:
             if counted and sum(1 for v in self._viewers if v.counted) >= self.max_viewers:
-                raise TooManyViewers(f"the serial console has {self.max_viewers} viewers already")
+                raise TooManyViewers(too_many(self.max_viewers, "the serial console"))
             self._viewers.append(viewer)
             start = self._bridge is None
             if start:
-                self._scrollback.clear()
                 self._state = (False, "connecting")
                 self._bridge = ConsoleBridge(self._machine, self._output, self._attached, self._name,
                                              self._machine.open_console, kind="serial")
@@ -230,10 +242,11 @@ class SerialHub:
         return viewer
 
     def stop(self) -> None:
-        """Detach from the machine whoever is viewing (the BMC stops)."""
+        """Detach from the machine whoever is viewing, and forget the recent output (the BMC stops)."""
         with self._lock:
             bridge, self._bridge = self._bridge, None
             self._viewers.clear()
+            self._scrollback.clear()
         if bridge is not None:
             bridge.stop()
 

@@ -113,6 +113,26 @@ class VirtualMedia:
     progress: int | None = None  # percent of the import done, while INSERTING (None: not known)
 
 
+# The Image of a medium uploaded from a client's disk (Machine.upload_media): "upload:" and its file name,
+# percent-encoded as in a URI ("upload:debian-13.iso").
+UPLOAD_SCHEME = "upload:"
+
+
+class MediaUpload(Protocol):
+    """A medium on its way from a client's disk into a slot (Machine.upload_media): its bytes are written in order,
+    then it is finished (the medium is inserted) or aborted (nothing of it is left). Blocking calls, each bounded in
+    time; one thread at a time."""
+
+    def write(self, data: bytes) -> None:
+        """The next bytes of the image; raises MachineError when the upload cannot go on (it is then aborted)."""
+
+    def finish(self) -> VirtualMedia:
+        """All bytes are written: insert the medium as insert_media does; the slot as it is then."""
+
+    def abort(self) -> None:
+        """Give up (the client went away): remove whatever the upload created; the slot is as it was before."""
+
+
 @dataclass(frozen=True)
 class Nic:
     name: str
@@ -211,6 +231,8 @@ class SerialConsole(Protocol):
 
 class Machine(abc.ABC):
     """A machine as a BMC sees it. Reads are cheap (from a cache); writes may raise the errors above."""
+
+    media_max_size: int = 64 * 2**30  # the largest image virtual media takes (the agent's --media-max-size)
 
     @abc.abstractmethod
     def power_state(self) -> PowerState: ...
@@ -325,6 +347,12 @@ class Machine(abc.ABC):
         """Whether `image` can be inserted (raises ImageUnusable with the reason) and its size when known. Default:
         nothing to check."""
         return None
+
+    def upload_media(self, slot: str, name: str, size: int) -> MediaUpload:
+        """Begin a medium of `size` bytes that a client sends from its disk (file `name`) into `slot`; nothing is
+        inserted until it is finished. Raises Unsupported when the slot has no drive (or the machine cannot take
+        uploads), InvalidRequest when a medium is in (or on its way), ImageUnusable when it is too large."""
+        raise Unsupported("this machine cannot take a medium uploaded from a client")
 
     def create_disk(self, size_bytes: int) -> str:
         """Add a blank disk of `size_bytes` that the machine gets at its next boot (Ironic's RAID interface creates

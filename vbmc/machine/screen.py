@@ -21,7 +21,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from .console import MAX_VIEWERS, ConsoleBridge, TooManyViewers
+from .console import MAX_VIEWERS, ConsoleBridge, TooManyViewers, too_many
 from .model import Machine
 from .rfb import Changes, Framebuffer, RfbClient, RfbError, RfbServer
 
@@ -75,7 +75,7 @@ class ScreenHub:
     def join(self, output: Callable[[bytes], None], attached: Callable[[bool, str], None]) -> ScreenViewer:
         with self._lock:
             if len(self._viewers) >= self.max_viewers:
-                raise TooManyViewers(f"the screen has {self.max_viewers} viewers already")
+                raise TooManyViewers(too_many(self.max_viewers, "the screen"))
             viewer = ScreenViewer(self, output, attached)
             self._viewers.append(viewer)
             start = self._bridge is None

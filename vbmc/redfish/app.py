@@ -54,7 +54,7 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
                fqdn: str | None = None, bmc_uuid: str | None = None,
                throttle: LoginThrottle | None = None, subscriptions: SubscriptionStore | None = None,
                event_ca_file: str = "", require_tls: bool = False,
-               consoles: resources.ConsoleAccess | None = None) -> Flask:
+               consoles: resources.ConsoleAccess | None = None, tls_cert: str = "") -> Flask:
     """A Redfish service for one machine, with one account (`username`/`password`, HTTP Basic or sessions).
 
     `system_id` defaults to the machine's name (stable for a VM); `session_timeout` is the inactivity timeout
@@ -64,7 +64,8 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
     address (vbmc/access/throttle.py); the agent shares one with its IPMI server. `subscriptions` keeps the
     EventService's subscriptions (default: in memory; the agent's is a Secret); `event_ca_file` adds CA
     certificates to the system's for HTTPS event destinations. `consoles` are the consoles the agent serves beside
-    Redfish, which the System and the Manager advertise (GraphicalConsole, SerialConsole)."""
+    Redfish, which the System and the Manager advertise (GraphicalConsole, SerialConsole). `tls_cert` is the PEM
+    certificate (chain) the agent serves HTTPS with, which the Manager describes ("" without HTTPS)."""
     if system_id is None or bmc_uuid is None:
         # Without both, the machine must answer now; the agent passes both so it can start before its VM exists.
         inventory = machine.inventory()
@@ -80,7 +81,7 @@ def create_app(machine: Machine, username: str, password: str, *, system_id: str
         version=version, ports=dict(DEFAULT_PORTS if ports is None else ports),
         host_name=host_name or socket.gethostname(), fqdn=fqdn, service_uuid=resources.service_uuid(bmc_uuid),
         manager_uuid=resources.manager_uuid(bmc_uuid), session_timeout=session_timeout, require_tls=require_tls,
-        consoles=consoles)
+        consoles=consoles, tls_cert=tls_cert)
     ids = svc.ids
     svc.events = EventService(machine.events, system=ids.system, system_name=ids.system_id,
                               media_base=f"{ids.manager}/VirtualMedia", store=subscriptions, ca_file=event_ca_file)

@@ -31,6 +31,10 @@ MESSAGES: Mapping[str, tuple[str, str, str]] = {
         "The value '%1' for the property %2 is not a format that the property can accept.", "Warning",
         "Correct the value for the property in the request body and resubmit the request if the operation "
         "failed."),
+    "PropertyValueOutOfRange": (
+        "The value '%1' for the property %2 is not in the supported range of acceptable values.", "Warning",
+        "Correct the value for the property in the request body and resubmit the request if the operation "
+        "failed."),
     "PropertyUnknown": (
         "The property %1 is not in the list of valid properties for the resource.", "Warning",
         "Remove the unknown property from the request body and resubmit the request if the operation failed."),

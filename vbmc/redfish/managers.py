@@ -1,14 +1,62 @@
 """The BMC itself and the box around the system: the Manager with its Reset, NetworkProtocol and EthernetInterfaces
 (the Service clients reach it through), and the Chassis with its Drives, Power and Thermal. (The Manager's
-VirtualMedia are in `media`, its LogServices in `logs`.)"""
+VirtualMedia are in `media`, its LogServices in `logs`.)
+
+The Manager also says, under Oem.KubeVBMC, what a person checks of a BMC before trusting it: the certificate it
+serves HTTPS with (fingerprints to compare or pin, expiry) and where it is reached (resources.manager_oem). The
+certificate is the one this BMC's app was built with: a renewed certificate restarts the BMC (a dedicated agent's
+pod rolls; a pool member is rebuilt), so it is always the one served."""
 
 from __future__ import annotations
 
+import hashlib
+import re
+import urllib.parse
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from flask import Blueprint, Response, request
 
 from . import payloads, resources
 from .errors import RedfishError, not_found
 from .service import Service
+
+
+def certificate(pem: str) -> resources.Certificate | None:
+    """The facts of a served PEM chain: its first certificate (the leaf) and, when the chain ends with a CA
+    certificate (BasicConstraints ca), that CA. None for no or unreadable PEM."""
+    try:
+        chain = x509.load_pem_x509_certificates(pem.encode())
+    except ValueError:
+        return None
+    leaf, top = chain[0], chain[-1]
+    ca = None
+    if len(chain) > 1:
+        try:
+            is_ca = top.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        except x509.ExtensionNotFound:
+            is_ca = False
+        ca = fingerprint(top) if is_ca else None
+    return resources.Certificate(fingerprint(leaf), ca, leaf.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%S+00:00"))
+
+
+_HOST = re.compile(r"^[A-Za-z0-9.:-]{1,253}$")
+
+
+def requested_host(authority: str) -> str:
+    """The host part of a Host header ("" when it names no host a URL can carry): a name or address, an IPv6
+    address without its brackets."""
+    try:
+        host = urllib.parse.urlsplit(f"//{authority}").hostname or ""
+    except ValueError:
+        return ""
+    return host if _HOST.match(host) else ""
+
+
+def fingerprint(cert: x509.Certificate) -> str:
+    """SHA-256 of the DER, as `openssl x509 -noout -fingerprint -sha256` prints it (after its `=`)."""
+    digest = hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest().upper()
+    return ":".join(digest[i:i + 2] for i in range(0, len(digest), 2))
 
 
 def blueprint(svc: Service) -> Blueprint:
@@ -22,11 +70,18 @@ def blueprint(svc: Service) -> Blueprint:
         return svc.static("managers", "ManagerCollection", lambda: resources.collection(
             "ManagerCollection", ids.managers, "Managers", [ids.manager]))
 
+    tls = certificate(svc.tls_cert) if svc.tls_cert else None  # read once: the app lives as long as it is served
+
     @route(bp, ids.manager)
     def manager() -> Response:
         has_media, has_screen = bool(machine.media_slots()), machine.has_screen()
-        return svc.send(cache.get("manager", "Manager", (has_media, has_screen), lambda: resources.manager(
-            ids, svc.manager_uuid, svc.version, has_media, resources.manager_consoles(svc.consoles, has_screen))))
+        # The Service's address when the backend knows it, else the host this request named, else the agent's name
+        # (the endpoints are where a client reaches the BMC, on the Service's ports).
+        host = machine.service_address() or requested_host(request.host) or svc.fqdn or svc.host_name
+        key = (has_media, has_screen, host)
+        return svc.send(cache.get("manager", "Manager", key, lambda: resources.manager(
+            ids, svc.manager_uuid, svc.version, has_media, resources.manager_consoles(svc.consoles, has_screen),
+            resources.manager_oem(host, svc.ports, svc.consoles is not None, tls))))
 
     @route(bp, f"{ids.manager}/Actions/Manager.Reset", ("POST",))
     def reset() -> Response:

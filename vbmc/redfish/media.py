@@ -150,6 +150,9 @@ def image_url_problem(image: str) -> str | None:
         return "The image URL's host is not a valid host name."
     if port == 0:
         return "The image URL's port is out of range."
+    if not image.isascii():
+        # RFC 3986: a URL is ASCII; the importer and the size check would refuse it later, or fail on it.
+        return "The image URL contains a character that is not ASCII: percent-encode it (é is %C3%A9)."
     return None
 
 

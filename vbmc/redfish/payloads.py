@@ -71,6 +71,10 @@ class SessionCreate(_Body):
     Context: str | None = Field(default=None)
 
 
+class SessionServicePatch(_Body):
+    SessionTimeout: int | None = None  # bounds (DMTF's 30..86400) checked by the route, with their own message
+
+
 class OdataLink(_Body):
     odata_id: str = Field(alias="@odata.id")
 

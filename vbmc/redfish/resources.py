@@ -9,9 +9,11 @@ import uuid as uuidlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from ..access.audit import redact_url
 from ..machine import (
+    UPLOAD_SCHEME,
     BootOverride,
     BootTarget,
     Disk,
@@ -25,7 +27,7 @@ from ..machine import (
     VirtualMedia,
 )
 from ..machine.eventlog import LogRecord
-from .sessions import Session
+from .sessions import Session, Viewer
 
 ROOT = "/redfish/v1"
 METADATA = f"{ROOT}/$metadata"
@@ -82,6 +84,10 @@ SUBSCRIPTIONS = f"{EVENT_SERVICE}/Subscriptions"
 SSE_URI = f"{EVENT_SERVICE}/SSE"
 SUBMIT_TEST_EVENT = f"{EVENT_SERVICE}/Actions/EventService.SubmitTestEvent"
 STORAGE_ID = "1"
+# This service's OEM extension (Oem.KubeVBMC): its types, as docs/reference.md describes them and the CSDL in
+# tests/redfish/data/csdl/KubeVBMC_v1.xml defines them for DMTF's Service Validator.
+OEM_SESSION = "#KubeVBMC.v1_0_0.Session"
+OEM_MANAGER = "#KubeVBMC.v1_0_0.Manager"
 
 
 def odata_type(name: str) -> str:
@@ -528,15 +534,19 @@ def virtual_media(base: str, media: VirtualMedia) -> dict[str, Any]:
         return doc
     image = redact_url(media.image) or None  # an image URL's user and password are never shown
     failed = media.state == MediaState.FAILED
+    # A medium uploaded from a client (the web page): "upload:<file name>", connected through that application.
+    uploaded = bool(image and image.startswith(UPLOAD_SCHEME))
+    name = unquote(image[len(UPLOAD_SCHEME):]) if image and uploaded else \
+        image.rsplit("/", 1)[-1].split("?", 1)[0] if image else None
     doc.update({
         "MediaTypes": ["CD", "DVD"],
         "Image": image,
-        "ImageName": image.rsplit("/", 1)[-1].split("?", 1)[0] if image else None,
-        "ConnectedVia": "URI" if media.inserted else "NotConnected",
+        "ImageName": name,
+        "ConnectedVia": "Applet" if uploaded else "URI" if media.inserted else "NotConnected",
         "Inserted": media.inserted,
         "WriteProtected": media.write_protected,
-        "TransferMethod": "Stream",
-        "TransferProtocolType": (image.split(":", 1)[0].upper() if image else None),
+        "TransferMethod": "Upload" if uploaded else "Stream",
+        "TransferProtocolType": None if uploaded else (image.split(":", 1)[0].upper() if image else None),
         "Status": _status(HealthState.WARNING if failed else HealthState.OK,
                           "Starting" if media.state == MediaState.INSERTING else "Enabled"),
         "Actions": {
@@ -558,7 +568,8 @@ MANAGER_RESETS = ("ForceRestart", "GracefulRestart")
 
 
 def manager(ids: Ids, uuid: str, version: str, has_media: bool,
-            consoles: Mapping[str, Any] | None = None) -> dict[str, Any]:
+            consoles: Mapping[str, Any] | None = None, oem: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The BMC: the agent (FirmwareVersion is its version); `oem` is what Oem.KubeVBMC says of it (`manager_oem`)."""
     path = ids.manager
     doc = _head("Manager", path, ids.manager_id, "KubeVBMC virtual BMC")
     doc.update({
@@ -580,7 +591,40 @@ def manager(ids: Ids, uuid: str, version: str, has_media: bool,
     if has_media:
         doc["VirtualMedia"] = link(f"{path}/VirtualMedia")
     doc.update(consoles or {})
+    if oem is not None:
+        doc["Oem"] = {"KubeVBMC": {"@odata.type": OEM_MANAGER, **oem}}
     return doc
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """What a client checks of the certificate the BMC serves HTTPS with (vbmc/redfish/managers.py reads it)."""
+
+    fingerprint: str  # SHA-256 of the leaf's DER, "AB:CD:..." as `openssl x509 -fingerprint -sha256` prints it
+    ca_fingerprint: str | None  # the chain's CA, when the served chain includes it
+    not_after: str  # ISO 8601
+
+
+def manager_oem(host: str, ports: Mapping[str, int], page: bool, tls: Certificate | None) -> dict[str, Any]:
+    """The Manager's Oem.KubeVBMC: the HTTPS certificate (null without HTTPS) and where the BMC is reached at
+    `host` on the Service's `ports` (HTTPS first; `page`: the agent serves its page beside Redfish)."""
+    bracketed = f"[{host}]" if ":" in host else host
+
+    def url(scheme: str, path: str) -> str:
+        port = ports[scheme.upper()]
+        default = {"http": 80, "https": 443}[scheme]
+        return f"{scheme}://{bracketed}{'' if port == default else f':{port}'}{path}"
+
+    schemes = [s for s in ("https", "http") if s.upper() in ports]
+    return {
+        "TLS": None if tls is None else {"CertificateFingerprintSHA256": tls.fingerprint,
+                                         "CAFingerprintSHA256": tls.ca_fingerprint, "NotAfter": tls.not_after},
+        "Endpoints": {
+            "Redfish": [url(s, ROOT) for s in schemes],
+            "IPMI": f"{bracketed}:{ports['IPMI']}" if "IPMI" in ports else None,
+            "Page": url(schemes[0], "/") if page and schemes else None,
+        },
+    }
 
 
 def chassis(ids: Ids, inv: Inventory, power: PowerState, health: Health) -> dict[str, Any]:
@@ -701,11 +745,18 @@ def session_service(timeout: int) -> dict[str, Any]:
     return doc
 
 
-def session(s: Session) -> dict[str, Any]:
+def session(s: Session, viewers: Sequence[Viewer] = (), current: bool = False) -> dict[str, Any]:
+    """A session: who (UserName), from where (ClientOriginIPAddress), since when, through what (SessionType: Redfish,
+    or WebUI for the BMC's page), and under Oem.KubeVBMC the consoles it has open and whether it is the caller's."""
     doc = _head("Session", f"{ROOT}/SessionService/Sessions/{s.id}", s.id, f"Session {s.id}")
-    doc.update({"UserName": s.username, "Password": None, "SessionType": "Redfish", "CreatedTime": s.created})
+    doc.update({"UserName": s.username, "Password": None, "SessionType": s.kind, "CreatedTime": s.created})
     if s.origin:
         doc["ClientOriginIPAddress"] = s.origin
+    doc["Oem"] = {"KubeVBMC": {
+        "@odata.type": OEM_SESSION,
+        "Current": current,
+        "Consoles": [{"Console": v.console, "ClientOriginIPAddress": v.origin, "Since": v.since} for v in viewers],
+    }}
     return doc
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -65,6 +66,13 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 JSON_TYPE = b"application/json; charset=utf-8"
 TLS_READ_BUFFER = 32 * 1024
+# The largest WebSocket message a client may send (the consoles take keystrokes and RFB input events; vbmc/web
+# sets smaller limits per console): past it the connection closes with 1009 and the rest of the message is read
+# and dropped, never kept.
+WEBSOCKET_MESSAGE = 64 * 1024
+# A peer that takes nothing of what is written to it for this long (its receive window stays shut) is cut off: a
+# client that never reads must not hold its connection, and what is queued for it, for good.
+WRITE_DEADLINE = 30.0
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,10 @@ class RedfishFront:
             return
         if self.arrived is not None:
             self.arrived()
+        if self.web is not None and self.web.takes_body(scope):
+            # The page's media upload (vbmc/web/upload.py): a body of any size, read by the web front as it comes.
+            await self.web.stream(scope, receive, send)
+            return
         if self.web is not None and self.web.serves(scope):
             await self.web.http(scope, send)
             return
@@ -394,6 +406,7 @@ def _http1_with_redfish_errors() -> None:
     protocol._check_protocol = http1_only
     protocol._kubevbmc_errors = True
     _websocket_handshakes_that_cannot_crash()
+    _websocket_messages_that_stay_small()
 
 
 def _websocket_handshakes_that_cannot_crash() -> None:
@@ -417,6 +430,144 @@ def _websocket_handshakes_that_cannot_crash() -> None:
 
     handshake.__init__ = init
     handshake._kubevbmc_ascii = True
+
+
+def _websocket_messages_that_stay_small() -> None:
+    """hypercorn appends what comes of a WebSocket message to its buffer before it compares the buffer with
+    websocket_max_message_size, and after closing with 1009 it went on reading the rest of the message into the same
+    buffer: a 10 MB message held 10 MB until its connection ended (twenty took an agent from 66 to 218 MB). Here the
+    rest of a refused message, and anything after it, is read and dropped: a connection holds at most one message of
+    the limit (plus one read). A compressed message (permessage-deflate, which browsers offer) is inflated no
+    further than the limit either: a few KiB of deflated zeros would otherwise become megabytes before any check."""
+    from hypercorn.protocol import ws_stream
+    from wsproto.connection import ConnectionState
+    from wsproto.events import CloseConnection, Message, Ping
+
+    stream: Any = ws_stream.WSStream
+    if getattr(stream, "_kubevbmc_small", False):
+        return
+
+    async def handle_events(self: Any) -> None:
+        for event in self.connection.events():
+            if isinstance(event, Message):
+                if getattr(self, "_kubevbmc_refused", False):
+                    continue
+                try:
+                    self.buffer.extend(event)
+                except ws_stream.FrameTooLargeError:
+                    self.buffer.clear()
+                    self._kubevbmc_refused = True
+                    await self._send_wsproto_event(CloseConnection(
+                        code=1009, reason=f"a message is at most {self.buffer.max_length} bytes"))
+                    # The app is told at once (1009), not when the peer answers the close, if ever.
+                    await self.app_put({"type": "websocket.disconnect", "code": 1009})
+                    continue
+                if event.message_finished:
+                    await self.app_put(self.buffer.to_message())
+                    self.buffer.clear()
+            elif isinstance(event, Ping):
+                await self._send_wsproto_event(event.response())
+            elif isinstance(event, CloseConnection):
+                if self.connection.state == ConnectionState.REMOTE_CLOSING:
+                    await self._send_wsproto_event(event.response())
+                elif self.connection.state == ConnectionState.OPEN:  # the peer broke the protocol: say how
+                    await self._send_wsproto_event(CloseConnection(code=event.code, reason=event.reason))
+                await self.send(ws_stream.StreamClosed(stream_id=self.stream_id))
+
+    stream._handle_events = handle_events
+    stream._kubevbmc_small = True
+    module: Any = ws_stream  # the Handshake makes its PerMessageDeflate by this name
+    module.PerMessageDeflate = _bounded_deflate()
+
+
+def _bounded_deflate() -> type:
+    """wsproto's permessage-deflate, inflating at most WEBSOCKET_MESSAGE bytes of one message: past it the message
+    fails with 1009 (hypercorn's own check comes after inflating, too late)."""
+    import zlib
+
+    from wsproto.extensions import PerMessageDeflate
+    from wsproto.frame_protocol import CloseReason
+
+    class BoundedDeflate(PerMessageDeflate):
+        limit = WEBSOCKET_MESSAGE
+        _inflated = 0
+
+        def frame_inbound_payload_data(self, proto: Any, data: bytes) -> bytes | CloseReason:
+            if not self._inbound_compressed or not self._inbound_is_compressible:
+                return data
+            assert self._decompressor is not None
+            try:
+                inflated = self._decompressor.decompress(bytes(data), self.limit + 1 - self._inflated)
+            except zlib.error:
+                return CloseReason.INVALID_FRAME_PAYLOAD_DATA
+            self._inflated += len(inflated)
+            if self._inflated > self.limit or self._decompressor.unconsumed_tail:
+                return CloseReason.MESSAGE_TOO_BIG
+            return inflated
+
+        def frame_inbound_complete(self, proto: Any, fin: bool) -> bytes | CloseReason | None:
+            result = super().frame_inbound_complete(proto, fin)
+            if fin:
+                self._inflated = 0
+            return result
+
+    return BoundedDeflate
+
+
+async def drained(writer: asyncio.StreamWriter, deadline: float = WRITE_DEADLINE) -> None:
+    """Wait until what was written to `writer` drains (asyncio's drain()); a peer that takes nothing of it for
+    `deadline` seconds is cut off (the connection aborted, ConnectionAbortedError). A slow reader is not: any
+    progress starts the deadline again."""
+    transport = writer.transport
+    left = transport.get_write_buffer_size()
+    while True:
+        try:
+            async with asyncio.timeout(deadline):  # not wait_for: in 3.11 it can swallow the caller's cancellation
+                await writer.drain()
+            return
+        except TimeoutError:
+            now = transport.get_write_buffer_size()
+            if now >= left:
+                transport.abort()
+                raise ConnectionAbortedError(f"the peer took nothing for {deadline:.0f} s") from None
+            left = now
+
+
+@functools.cache
+def _connection_server() -> Any:
+    """hypercorn's TCPServer, with WRITE_DEADLINE on every write and on the close: hypercorn waited for drain() and
+    for the socket to close without a deadline, so a peer that never reads (a WebSocket viewer that stopped, a client
+    that sends a request and never reads the answer) kept its connection, and a slot of `Limits.connections`, for
+    ever."""
+    from hypercorn.asyncio.tcp_server import TCPServer
+    from hypercorn.events import Closed, RawData
+
+    class DeadlineTCPServer(TCPServer):
+        async def protocol_send(self, event: Any) -> None:
+            if not isinstance(event, RawData):
+                await super().protocol_send(event)
+                return
+            async with self.send_lock:
+                try:
+                    self.writer.write(event.data)
+                    await drained(self.writer)
+                except (ConnectionError, RuntimeError):
+                    await self.protocol.handle(Closed())
+
+        async def _close(self) -> None:
+            # A close waits for what is queued to go out (asyncio's transport.close()): for good, if nobody reads it.
+            closing = asyncio.ensure_future(super()._close())
+            transport = self.writer.transport
+            left = transport.get_write_buffer_size()
+            while not (await asyncio.wait({closing}, timeout=WRITE_DEADLINE))[0]:
+                now = transport.get_write_buffer_size()
+                if now >= left:
+                    transport.abort()
+                    break
+                left = now
+            await closing
+
+    return DeadlineTCPServer
 
 
 # ---- running it
@@ -454,7 +605,7 @@ def hypercorn_config(config: ServerConfig) -> Any:
     # browser's pong is a read) and finds a viewer that went away; a viewer's messages are keystrokes and RFB
     # input events, small.
     hc.websocket_ping_interval = 20.0
-    hc.websocket_max_message_size = 64 * 1024
+    hc.websocket_max_message_size = WEBSOCKET_MESSAGE
     # hypercorn's default of 100 drops the SYNs of a burst of connections: clients then wait 1 s, 3 s, 7 s... to
     # retry. The kernel caps it at net.core.somaxconn.
     hc.backlog = 1024
@@ -576,14 +727,12 @@ class Listeners:
             raise
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from hypercorn.asyncio.tcp_server import TCPServer
-
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
         try:
-            await TCPServer(self._app, asyncio.get_running_loop(), self._hc, self._context, self._state, reader,
-                            writer)
+            await _connection_server()(self._app, asyncio.get_running_loop(), self._hc, self._context, self._state,
+                                       reader, writer)
         finally:
             self._connections.pop(task, None)
 

@@ -97,6 +97,7 @@ class Service:
     session_timeout: int
     require_tls: bool = False  # refuse credentials that come over plain HTTP (spec.redfish.requireTLS)
     consoles: ConsoleAccess | None = None  # the consoles served beside Redfish (the agent's vbmc/web)
+    tls_cert: str = field(default="", repr=False)  # PEM: the certificate (chain) HTTPS is served with, "" without
     reset_until: float = 0.0  # time.monotonic() until which a Manager.Reset keeps the service answering 503
     events: EventService | None = None  # vbmc/redfish/eventservice.py: subscriptions, delivery, SSE
     tasks: TaskStore = field(default_factory=lambda: TaskStore())

@@ -10,15 +10,24 @@ The protocol, for the page and for any WebSocket client:
   protocol offered is the one the server answers with (any name: `binary` for noVNC, `kubevbmc` otherwise).
 - Binary messages carry the console's bytes both ways: serial characters, or RFB 3.8 (RFC 6143) for the screen.
   Text messages from the server say how the console is: `{"Console": "serial", "Attached": false, "Message":
-  "the machine is off"}`; text from a client of the serial console is typed like binary.
-- The connection ends (close code 1008) when the session does (DELETE, or its inactivity timeout; typing on a
-  console counts as activity), with 1002 when a screen viewer breaks RFB, 1011 when a viewer reads too slowly.
+  "the machine is off"}`; text from a client of the serial console is typed like binary. A client message is at
+  most INPUT_LIMIT bytes (4 KiB of typing, what a tty takes at once; 64 KiB of RFB for the screen).
+- A new serial viewer is first shown the line's recent output (the last 64 KiB, vbmc/machine/console.py).
+- The server ends a connection with a text message saying why (`"Attached": false`), then a close frame with the
+  same words as its reason: 1008 when the session ends (DELETE, or its inactivity timeout; typing on a console
+  counts as activity), 1009 for a message over the limit, 1002 when a screen viewer breaks RFB, 1003 for text to
+  the screen, 1011 when a viewer reads too slowly (OUTBOX bytes wait for it, or one message is not taken within
+  SEND_DEADLINE seconds: a viewer that stops reading loses its slot then, whatever else it does).
 
-Safe by construction: an upgrade is refused (an HTTP status, before anything opens) over plain HTTP when the BMC
-takes credentials over HTTPS only (spec.redfish.requireTLS), from a browser page of another origin (the Origin
-header must name this very host), from a source locked out by the login throttle (429), without a live session
-(401), and past MAX_VIEWERS viewers of a console (503). Each console opened, refused or closed is one audit line
-(who, from where, and for how long).
+Safe by construction: an upgrade is refused with an HTTP status, before anything opens, over plain HTTP when the
+BMC takes credentials over HTTPS only (spec.redfish.requireTLS), from a browser page of another origin (the Origin
+header must name this very host), from a source locked out by the login throttle (429), and without a live session
+(401). A refusal after authentication has to be one the page can read (a browser shows a refused upgrade as 1006,
+without its status): the WebSocket opens, says why in a text message and closes, with 1013 (try again later) past
+MAX_VIEWERS viewers of a console and 1003 for the screen of a machine that has none. Every send to a viewer has a
+deadline, so a viewer that never reads cannot keep its slot: not past SEND_DEADLINE, nor past its session's end.
+Each console opened, refused or closed is one audit line (who, from where, and for how long), and each open
+console is listed with its session (SessionStore.open_console: the sessions view shows it).
 """
 
 from __future__ import annotations
@@ -49,6 +58,17 @@ TOKEN_PREFIX = "x-auth-token."
 # Bytes queued for one viewer and not yet written to it: beyond, the viewer is too slow and its connection ends. A
 # screen viewer asks for each update, so it never has more than about one screen's worth queued.
 OUTBOX = {"serial": 1 << 20, "screen": 16 << 20}
+# Bytes of one message from a viewer (the server takes at most WEBSOCKET_MESSAGE, vbmc/redfish/server.py): typing,
+# as much as a tty's input buffer takes at once; RFB input events and a clipboard's text for the screen.
+INPUT_LIMIT = {"serial": 4096, "screen": 64 * 1024}
+# Seconds a viewer has to take one message from the server, plus a second for every SEND_RATE bytes of it (a whole
+# screen over a slow link): a viewer that takes nothing for that long has stopped reading, and its slot is freed.
+SEND_DEADLINE = 10.0
+SEND_RATE = 64 * 1024
+CLOSE_DEADLINE = 2.0  # seconds to tell a viewer that may not read why its connection ends
+CLOSE_REASON = 123  # bytes of a close frame's reason (RFC 6455 5.5: a control frame's payload is 125 bytes)
+# Why a viewer's connection ended when the server refused a message over WEBSOCKET_MESSAGE (it closed with 1009).
+TOO_LARGE = "the viewer sent a message larger than the server takes"
 SESSION_CHECK = 1.0  # seconds between looks at whether the viewer's session is still alive
 TOUCH_EVERY = 10.0  # typing keeps the session alive, touched at most this often
 
@@ -114,6 +134,19 @@ def status_message(kind: str, attached: bool, why: str) -> str:
     return json.dumps({"Console": kind, "Attached": attached, "Message": why})
 
 
+def close_reason(why: str) -> str:
+    """`why` as a close frame's reason: at most CLOSE_REASON bytes of UTF-8, cut on a character."""
+    return why.encode()[:CLOSE_REASON].decode(errors="ignore")
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How the server ends a viewer's connection: the close code and why (the text message's and the reason)."""
+
+    code: int
+    why: str
+
+
 class _Outbox:
     """What the hubs' threads hand one viewer, queued for the event loop, bounded in bytes."""
 
@@ -147,8 +180,8 @@ class Consoles:
     """The consoles of one BMC, as WebSockets (see the module's docstring)."""
 
     def __init__(self, store: SessionStore, throttle: LoginThrottle, vm: str, serial: SerialHub,
-                 screen: ScreenHub | None, *, require_tls: bool = False,
-                 session_check: float = SESSION_CHECK) -> None:
+                 screen: ScreenHub | None, *, require_tls: bool = False, session_check: float = SESSION_CHECK,
+                 send_deadline: float = SEND_DEADLINE) -> None:
         self.store = store
         self.throttle = throttle
         self.vm = vm
@@ -156,6 +189,7 @@ class Consoles:
         self.screen = screen
         self.require_tls = require_tls
         self.session_check = session_check
+        self.send_deadline = send_deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (await receive())["type"] != "websocket.connect":
@@ -178,17 +212,25 @@ class Consoles:
             return await self._deny(send, Refusal(401, "No live Redfish session for this token."), action, actor)
         actor = audit.Actor("web", source, session.username, session.id)
         if decided.kind == "screen" and self.screen is None:
-            return await self._deny(send, Refusal(404, "This machine has no screen."), action, actor)
+            return await self._refuse_open(send, decided, actor, Ending(1003, "this machine has no screen"))
         await self._serve(decided, session, actor, send, receive)
 
     async def _deny(self, send: Send, refusal: Refusal, action: str, actor: audit.Actor,
                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Refuse the upgrade with an HTTP status (nothing opens)."""
         audit.record(action, self.vm, f"denied: {refusal.message}", actor=actor, level=logging.WARNING)
         body = json.dumps({"error": {"code": "Base.1.19.GeneralError", "message": refusal.message}}).encode()
-        await send({"type": "websocket.http.response.start", "status": refusal.status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                *(headers or [])]})
-        await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
+        await self._within(CLOSE_DEADLINE, send, {
+            "type": "websocket.http.response.start", "status": refusal.status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                        *(headers or [])]}, {"type": "websocket.http.response.body", "body": body, "more_body": False})
+
+    async def _refuse_open(self, send: Send, decided: Upgrade, actor: audit.Actor, ending: Ending) -> None:
+        """Refuse an authenticated viewer in words a browser shows: open, say why, close."""
+        audit.record(f"open {decided.kind} console", self.vm, f"denied: {ending.why}", actor=actor,
+                     level=logging.WARNING)
+        await self._within(CLOSE_DEADLINE, send, {"type": "websocket.accept", "subprotocol": decided.subprotocol},
+                           *self._ending(decided.kind, ending))
 
     async def _serve(self, decided: Upgrade, session: Session, actor: audit.Actor, send: Send,
                      receive: Receive) -> None:
@@ -207,75 +249,89 @@ class Consoles:
                 assert self.screen is not None
                 viewer = self.screen.join(outbox.put, attached)
         except TooManyViewers as exc:
-            return await self._deny(send, Refusal(503, str(exc)), f"open {kind} console", actor,
-                                    [(b"retry-after", b"10")])
+            return await self._refuse_open(send, decided, actor, Ending(1013, str(exc)))
+        listed = self.store.open_console(session, kind, actor.source)
         started = time.monotonic()
         audit.record(f"open {kind} console", self.vm, "opened", actor=actor)
-        why = "closed by the viewer"
+        why, ending = "closed by the viewer", None
         try:
-            await send({"type": "websocket.accept", "subprotocol": decided.subprotocol})
-            why = await self._run(kind, session, decided.token, viewer, outbox, send, receive)
+            if await self._within(self.send_deadline, send, {"type": "websocket.accept",
+                                                              "subprotocol": decided.subprotocol}):
+                why, ending = await self._run(kind, session, decided.token, viewer, outbox, send, receive)
+            else:
+                why = "the viewer did not complete the upgrade"
         except OSError:
             why = "the connection ended"
         finally:
+            # The slot is free before anything more is said to the viewer (which may never read it).
             viewer.leave()
+            self.store.close_console(session, listed)
             audit.record(f"{kind} console", self.vm, f"closed: {why}", time.monotonic() - started, actor=actor)
+        if ending is not None:
+            await self._within(CLOSE_DEADLINE, send, *self._ending(kind, ending))
+        elif why == TOO_LARGE:
+            # The server has closed with 1009 and reads the rest of the message to drop it: the connection stays
+            # until the viewer answers the close (or CLOSE_DEADLINE), so that it can read why.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CLOSE_DEADLINE):
+                    await receive()
 
     async def _run(self, kind: str, session: Session, token: str, viewer: SerialViewer | ScreenViewer,
-                   outbox: _Outbox, send: Send, receive: Receive) -> str:
-        """Carry the console until either side ends it; why it ended."""
-        closing: tuple[int, str] | None = None
+                   outbox: _Outbox, send: Send, receive: Receive) -> tuple[str, Ending | None]:
+        """Carry the console until either side ends it: why it ended, and how to end the connection (None: it
+        has ended)."""
+        ending: Ending | None = None
         # A serial viewer types on the line; a screen viewer's bytes are RFB for the hub to read.
         feed = viewer.send if isinstance(viewer, SerialViewer) else viewer.feed
+        limit = INPUT_LIMIT[kind]
+
+        def end(code: int, why: str) -> str:
+            nonlocal ending
+            ending = Ending(code, why)
+            return why
 
         async def reader() -> str:
-            nonlocal closing
             touched = time.monotonic()
             while True:
                 message = await receive()
                 if message["type"] == "websocket.disconnect":
-                    return "closed by the viewer"
+                    return TOO_LARGE if message.get("code") == 1009 else "closed by the viewer"
                 data = message.get("bytes")
                 if data is None:
-                    text = message.get("text") or ""
                     if kind == "screen":
-                        closing = (1003, "the screen takes binary messages only")
-                        return closing[1]
-                    data = text.encode()
+                        return end(1003, "the screen takes binary messages only")
+                    data = (message.get("text") or "").encode()
+                if len(data) > limit:
+                    return end(1009, f"a {kind} console message is at most {limit} bytes")
                 if time.monotonic() - touched > TOUCH_EVERY:
                     touched = time.monotonic()
                     self.store.authenticate(token)  # typing is activity on the session
                 try:
                     feed(data)
                 except RfbError as exc:
-                    closing = (1002, f"RFB: {exc}"[:120])
-                    return closing[1]
+                    return end(1002, f"RFB: {exc}")
 
         async def writer() -> str:
-            nonlocal closing
             while True:
                 item = await outbox.get()
-                if isinstance(item, bytes):
-                    await send({"type": "websocket.send", "bytes": item})
-                else:
-                    await send({"type": "websocket.send", "text": item})
-                    gone = viewer.ended if isinstance(viewer, ScreenViewer) else ""
-                    if gone:
-                        closing = (1011, gone[:120])
-                        return gone
+                message = {"type": "websocket.send", "bytes": item} if isinstance(item, bytes) else \
+                    {"type": "websocket.send", "text": item}
+                if not await self._within(self.send_deadline + len(item) / SEND_RATE, send, message):
+                    return end(1011, f"the viewer stopped reading: nothing sent to it was taken for "
+                                     f"{self.send_deadline:.0f} s")
+                gone = viewer.ended if isinstance(viewer, ScreenViewer) else ""
+                if gone:
+                    return end(1011, gone)
 
         async def watchdog() -> str:
-            nonlocal closing
             while True:
                 overflow = asyncio.ensure_future(outbox.overflowed.wait())
                 done, _ = await asyncio.wait({overflow}, timeout=self.session_check)
                 overflow.cancel()
                 if done:
-                    closing = (1011, "the viewer is not keeping up with the console")
-                    return closing[1]
+                    return end(1011, "the viewer is not keeping up with the console")
                 if self.store.get(session.id) is None:
-                    closing = (1008, "the Redfish session ended")
-                    return closing[1]
+                    return end(1008, "the Redfish session ended")
 
         tasks = [asyncio.ensure_future(reader()), asyncio.ensure_future(writer()), asyncio.ensure_future(watchdog())]
         try:
@@ -284,8 +340,27 @@ class Consoles:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        if closing is not None:
-            with contextlib.suppress(OSError, RuntimeError):
-                await send({"type": "websocket.close", "code": closing[0], "reason": closing[1]})
-        return why
+            # Bounded: a task that does not end when cancelled (asyncio.wait_for in a send can swallow it) must not
+            # keep the viewer's slot.
+            _, pending = await asyncio.wait(tasks, timeout=CLOSE_DEADLINE)
+            for task in pending:
+                task.cancel()  # once more: the first may have been swallowed
+        return why, ending
+
+    @staticmethod
+    def _ending(kind: str, ending: Ending) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What ends a connection: a text message saying why, then the close frame with the same words."""
+        return ({"type": "websocket.send", "text": status_message(kind, False, ending.why)},
+                {"type": "websocket.close", "code": ending.code, "reason": close_reason(ending.why)})
+
+    @staticmethod
+    async def _within(seconds: float, send: Send, *messages: dict[str, Any]) -> bool:
+        """Send `messages` in order; False when the viewer has not taken them within `seconds` or the connection
+        ended (a send to a viewer that never reads would otherwise wait for good)."""
+        try:
+            async with asyncio.timeout(seconds):
+                for message in messages:
+                    await send(message)
+        except (TimeoutError, OSError):
+            return False
+        return True

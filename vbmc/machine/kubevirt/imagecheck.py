@@ -81,6 +81,8 @@ def _ask(method: str, url: str, ca_pem: str, timeout: float, shown: str,
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ImageProblem(f"{shown} is not an http or https URL")
+    if not url.isascii():  # http.client sends ASCII only (UnicodeEncodeError); a redirect's Location may be anything
+        raise ImageProblem(f"{shown} contains a character that is not ASCII: percent-encode it (é is %C3%A9)")
     headers = {"User-Agent": "kubevbmc-agent", "Accept": "*/*", **(extra or {})}
     if parts.username is not None:
         user_pass = f"{parts.username}:{parts.password or ''}".encode()

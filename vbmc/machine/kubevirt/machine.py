@@ -8,6 +8,7 @@ within a deadline short enough for IPMI and Redfish to answer in time; past it t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -15,10 +16,12 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
 from ...access import audit
 from ..model import (
     STALE_READS,
+    UPLOAD_SCHEME,
     BackendUnavailable,
     BootEnabled,
     BootMode,
@@ -32,6 +35,7 @@ from ..model import (
     Machine,
     MachineError,
     MediaState,
+    MediaUpload,
     PowerState,
     ResetType,
     SecureBoot,
@@ -39,7 +43,7 @@ from ..model import (
     Unsupported,
     VirtualMedia,
 )
-from . import bootorder, console, firmware, imagecheck, vmstate
+from . import bootorder, console, firmware, imagecheck, upload, vmstate
 from .client import KubeClient, KubeError, Unreachable, merge_patched
 from .watch import ObjectWatch, confirm, confirm_soon
 
@@ -56,6 +60,11 @@ NO_CDROM = "the VM has no cdrom disk: add an empty cdrom disk to its template to
 SETTLE = 0.3  # seconds a write waits for the watch cache to show it (normally milliseconds)
 STALE_RETRY_AFTER = 2  # Retry-After for a read refused from a stale cache: it serves again within a second of an answer
 CLAIM_TTL = 2.0  # seconds the claims read for an inventory are reused
+MEDIUM_INSERTED = "a medium is already inserted: eject it first"
+MEDIUM_UPLOADING = "a medium is being uploaded into this slot: wait for it, or cancel it"
+UPLOAD_NAME = "bmc.kubevirt.io/upload-name"  # on an uploaded medium's DataVolume: the client's file name
+UPLOAD_READY_TIMEOUT = 300.0  # for CDI's upload pod to be ready (virtctl image-upload's --wait-secs default)
+UPLOAD_SUCCEEDED_WAIT = 10.0  # after the proxy's answer, for the DataVolume's Succeeded (else inserted importing)
 
 SUPPORTED_RESETS = (ResetType.ON, ResetType.FORCE_ON, ResetType.FORCE_OFF, ResetType.GRACEFUL_SHUTDOWN,
                     ResetType.GRACEFUL_RESTART, ResetType.FORCE_RESTART, ResetType.POWER_CYCLE,
@@ -68,13 +77,16 @@ _BOOTS = (ResetType.ON, ResetType.FORCE_ON, ResetType.POWER_CYCLE, ResetType.PUS
 
 class KubeVirtMachine(Machine):
     def __init__(self, client: KubeClient, namespace: str, vm: str, vmbmc: str = "", *,
-                 deadline: float = 1.5, media_max_size: int = 64 * 2**30) -> None:
+                 deadline: float = 1.5, media_max_size: int = 64 * 2**30,
+                 upload_proxy: upload.ProxySettings | None = None) -> None:
         self.client = client
         self.namespace = namespace
         self.name = vm
         self.vmbmc = vmbmc
         self.deadline = deadline
         self.media_max_size = media_max_size
+        self.upload_proxy = upload_proxy or upload.ProxySettings()
+        self._uploads: dict[str, _Upload] = {}  # slot -> the medium on its way from a client (upload_media)
         ns = f"/namespaces/{namespace}"
         self.vm_path = f"{KUBEVIRT}{ns}/virtualmachines/{vm}"
         self.vmi_path = f"{KUBEVIRT}{ns}/virtualmachineinstances/{vm}"
@@ -361,8 +373,9 @@ class KubeVirtMachine(Machine):
     def _wait_for_imports(self) -> None:
         deadline = time.monotonic() + self.deadline
         while True:
+            # A medium still being uploaded is not in the VM yet (not inserted): a restart does not wait for it.
             importing = [m for m in (self.virtual_media(slot) for slot in self.media_slots())
-                         if m.state == MediaState.INSERTING]
+                         if m.state == MediaState.INSERTING and m.inserted]
             if not importing:
                 return
             if time.monotonic() >= deadline:
@@ -675,7 +688,8 @@ class KubeVirtMachine(Machine):
             return VirtualMedia(slot, state=MediaState.ABSENT, message=NO_CDROM)
         found = self._volume(vm, disk)
         if found is None:
-            return VirtualMedia(slot)
+            uploading = self._uploads.get(slot)
+            return uploading.media() if uploading is not None else VirtualMedia(slot)
         volume = found[1]
         dv_name = (volume.get("dataVolume") or {}).get("name", "")
         image, state, message, progress = "", MediaState.INSERTED, "", None
@@ -687,7 +701,7 @@ class KubeVirtMachine(Machine):
                 dv, state, message = {}, MediaState.FAILED, exc.message
             except Unreachable as exc:
                 raise BackendUnavailable(str(exc)) from exc
-            image = (((dv.get("spec") or {}).get("source") or {}).get("http") or {}).get("url", "")
+            image = _medium_image(dv)
             phase = (dv.get("status") or {}).get("phase", "")
             if phase == "Failed":
                 state = MediaState.FAILED
@@ -698,53 +712,145 @@ class KubeVirtMachine(Machine):
                 progress = _percent((dv.get("status") or {}).get("progress"))
         return VirtualMedia(slot, image, state != MediaState.FAILED, True, state, message, progress)
 
+    def _empty_drive(self, vm: Obj, slot: str) -> str:
+        """The slot's cdrom disk, refused when it holds a medium or one is being uploaded into it."""
+        disk = self._drive(vm, slot)
+        if self._volume(vm, disk) is not None:
+            raise InvalidRequest(MEDIUM_INSERTED)
+        if slot in self._uploads:
+            raise InvalidRequest(MEDIUM_UPLOADING)
+        return disk
+
     def insert_media(self, image: str, slot: str = "Cd", write_protected: bool = True) -> None:
         if not image.startswith(("http://", "https://")):
             raise InvalidRequest(f"the image must be an http or https URL: {audit.redact_url(image)!r}")
         with self._lock:
             vm = self._vm()
-            disk = self._drive(vm, slot)
-            if self._volume(vm, disk) is not None:
-                raise InvalidRequest("a medium is already inserted: eject it first")
-            options = self._media_options()
-            storage_opts = options.get("storage") or {}
-            ca_map = ((options.get("tls") or {}).get("caBundleConfigMapRef") or {}).get("name", "")
-            info = imagecheck.ImageInfo(self.check_image(image))
-            block = storage_opts.get("volumeMode") == "Block"
-            storage: Obj = {"resources": {"requests": {"storage": imagecheck.quantity(
-                imagecheck.claim_size(info, block))}}}
-            if storage_opts.get("storageClassName"):
-                storage["storageClassName"] = storage_opts["storageClassName"]
-            if storage_opts.get("volumeMode"):
-                storage["volumeMode"] = storage_opts["volumeMode"]
+            disk = self._empty_drive(vm, slot)
+            ca_map = ((self._media_options().get("tls") or {}).get("caBundleConfigMapRef") or {}).get("name", "")
             http_source: Obj = {"url": image}
             if ca_map:
                 http_source["certConfigMap"] = ca_map
-            owner = self.bmc_watch.obj if self.bmc_watch is not None and self.bmc_watch.obj else vm
-            dv_name = self._dv_name(disk)
-            dv = {
-                "apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume",
-                "metadata": {"name": dv_name, "namespace": self.namespace,
-                             "labels": {"app.kubernetes.io/managed-by": "kubevbmc"},
-                             "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
-                                                  "name": owner["metadata"]["name"],
-                                                  "uid": owner["metadata"]["uid"]}]},
-                "spec": {"source": {"http": http_source}, "storage": storage},
-            }
-            try:
-                self._call("POST", f"{CDI}/namespaces/{self.namespace}/datavolumes", dv)
-            except KubeError as exc:
-                if exc.status != 409:
-                    raise InvalidRequest(f"could not create the DataVolume: {exc.message}") from exc
-                # A leftover from an interrupted eject: replace it.
-                self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
-                           ok=lambda e: e.status == 404)
-                self._call("POST", f"{CDI}/namespaces/{self.namespace}/datavolumes", dv)
+            dv_name = self._create_medium(vm, disk, {"http": http_source}, self.check_image(image))
             # Into a running VM by hotplug; into one that is off as part of its next start (`_cold_plug`).
             self._patch_vm(_add_op(vm, "/spec/template/spec/volumes",
                                    _media_volume(disk, dv_name, hotplug=self._vmi_active())))
             self._event("VirtualMediaInserted", f"inserted {audit.redact_url(image)} into {disk}")
             self._follow(slot)
+
+    def _create_medium(self, vm: Obj, disk: str, source: Obj, size: int | None, annotations: Obj | None = None) -> str:
+        """The DataVolume of a medium for `disk` (`<vm>-<disk>`, owned by the VirtualMachineBMC, else the VM), its
+        claim sized for an image of `size` bytes, from CDI `source`; its name."""
+        storage_opts = self._media_options().get("storage") or {}
+        block = storage_opts.get("volumeMode") == "Block"
+        storage: Obj = {"resources": {"requests": {"storage": imagecheck.quantity(
+            imagecheck.claim_size(imagecheck.ImageInfo(size), block))}}}
+        if storage_opts.get("storageClassName"):
+            storage["storageClassName"] = storage_opts["storageClassName"]
+        if storage_opts.get("volumeMode"):
+            storage["volumeMode"] = storage_opts["volumeMode"]
+        owner = self.bmc_watch.obj if self.bmc_watch is not None and self.bmc_watch.obj else vm
+        dv_name = self._dv_name(disk)
+        metadata: Obj = {"name": dv_name, "namespace": self.namespace,
+                         "labels": {"app.kubernetes.io/managed-by": "kubevbmc"},
+                         "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
+                                              "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"]}]}
+        if annotations:
+            metadata["annotations"] = annotations
+        dv = {"apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume", "metadata": metadata,
+              "spec": {"source": source, "storage": storage}}
+        try:
+            self._call("POST", f"{CDI}/namespaces/{self.namespace}/datavolumes", dv)
+        except KubeError as exc:
+            if exc.status != 409:
+                raise InvalidRequest(f"could not create the DataVolume: {exc.message}") from exc
+            # A leftover from an interrupted eject: replace it.
+            self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
+                       ok=lambda e: e.status == 404)
+            self._call("POST", f"{CDI}/namespaces/{self.namespace}/datavolumes", dv)
+        return dv_name
+
+    # ---- virtual media from a client's disk: CDI's upload (upload.py)
+
+    def upload_media(self, slot: str, name: str, size: int) -> MediaUpload:
+        """A DataVolume with an upload source for the slot's cdrom, as insert_media makes one for a URL, then CDI's
+        upload into it (an UploadTokenRequest, the upload proxy); the VM gets the medium when the upload finishes.
+        Nothing is held meanwhile but the slot (insert_media refuses it; eject_media ends the upload)."""
+        if size > self.media_max_size:
+            raise ImageUnusable(f"{name} is {size / 2**30:.1f} GiB, more than this BMC takes "
+                                f"({self.media_max_size / 2**30:.0f} GiB, the agent's --media-max-size)")
+        with self._lock:
+            vm = self._vm()
+            disk = self._empty_drive(vm, slot)
+            dv_name = self._create_medium(vm, disk, {"upload": {}}, size, {UPLOAD_NAME: name})
+            record = self._uploads[slot] = _Upload(self, slot, disk, dv_name, name, size)
+        try:
+            record.open()
+        except BaseException:
+            record.abort()
+            raise
+        return record
+
+    def _upload_ready(self, record: _Upload) -> None:
+        """Wait for CDI's upload pod (the DataVolume UploadReady), as virtctl image-upload does."""
+        path = f"{CDI}/namespaces/{self.namespace}/datavolumes/{record.dv_name}"
+        deadline = time.monotonic() + UPLOAD_READY_TIMEOUT
+        while True:
+            if record.ejected:
+                raise InvalidRequest(f"the medium was ejected during the upload of {record.name}")
+            try:
+                dv = self.client.request("GET", path, timeout=2.0)
+            except KubeError as exc:
+                raise InvalidRequest(f"the DataVolume of the upload is gone: {exc.message}") from exc
+            except Unreachable:
+                dv = {}
+            status = (dv.get("status") or {}) if isinstance(dv, dict) else {}
+            if status.get("phase") == "UploadReady":
+                return
+            if status.get("phase") == "Failed":
+                why = next((c.get("message", "") for c in status.get("conditions") or []
+                            if c.get("type") == "Running"), "")
+                raise MachineError(f"CDI could not prepare the upload: {why or 'the DataVolume failed'}")
+            if time.monotonic() >= deadline:
+                raise BackendUnavailable(f"CDI's upload pod for {record.dv_name} was not ready within "
+                                         f"{UPLOAD_READY_TIMEOUT:.0f} s", retry_after=30)
+            time.sleep(0.2)
+
+    def _insert_uploaded(self, record: _Upload) -> bool:
+        """The upload is in the claim: the medium goes into the VM as insert_media puts one in. Whether CDI is done
+        with it (the DataVolume Succeeded)."""
+        path = f"{CDI}/namespaces/{self.namespace}/datavolumes/{record.dv_name}"
+        deadline = time.monotonic() + UPLOAD_SUCCEEDED_WAIT
+        succeeded = False
+        while not succeeded and time.monotonic() < deadline and not record.ejected:
+            with contextlib.suppress(KubeError, Unreachable):
+                dv = self.client.request("GET", path, timeout=1.0)
+                succeeded = isinstance(dv, dict) and (dv.get("status") or {}).get("phase") == "Succeeded"
+            if not succeeded:
+                time.sleep(0.1)
+        with self._lock:
+            if record.ejected or self._uploads.get(record.slot) is not record:
+                raise InvalidRequest(f"the medium was ejected during the upload of {record.name}")
+            vm = self._vm()
+            self._patch_vm(_add_op(vm, "/spec/template/spec/volumes",
+                                   _media_volume(record.disk, record.dv_name, hotplug=self._vmi_active())))
+            del self._uploads[record.slot]
+        self._event("VirtualMediaInserted", f"inserted {record.image} ({record.size} bytes uploaded from a client) "
+                                            f"into {record.disk}")
+        if not succeeded:
+            self._follow(record.slot)  # CDI is still finishing it: followed as an import is
+        return succeeded
+
+    def _drop_upload(self, record: _Upload) -> None:
+        """An upload given up: its DataVolume goes (and its claim with it), the slot is as before."""
+        with self._lock:
+            if self._uploads.get(record.slot) is record:
+                del self._uploads[record.slot]
+        try:
+            self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{record.dv_name}",
+                       ok=lambda e: e.status == 404)
+        except (MachineError, KubeError) as exc:
+            log.warning("could not delete the DataVolume %s of an abandoned upload: %s", record.dv_name, exc)
 
     def _follow(self, slot: str) -> None:
         """Follow the import in `slot` on a thread of its own, unless one already does."""
@@ -892,6 +998,9 @@ class KubeVirtMachine(Machine):
         with self._lock:
             vm = self._vm()
             disk = self._drive(vm, slot)
+            uploading = self._uploads.pop(slot, None)
+            if uploading is not None:
+                uploading.ejected = True  # its writer stops at its next write, and removes what is left
             found = self._volume(vm, disk)
             if found is not None:
                 index = found[0]
@@ -904,6 +1013,77 @@ class KubeVirtMachine(Machine):
                        ok=lambda e: e.status == 404)
             if found is not None:
                 self._event("VirtualMediaEjected", f"ejected the medium from {disk}")
+
+
+class _Upload:
+    """A medium on its way from a client into a slot (KubeVirtMachine.upload_media): CDI's upload into its
+    DataVolume's claim, streamed to the upload proxy as the client's bytes come."""
+
+    def __init__(self, machine: KubeVirtMachine, slot: str, disk: str, dv_name: str, name: str, size: int) -> None:
+        self.machine, self.slot, self.disk, self.dv_name = machine, slot, disk, dv_name
+        self.name, self.size = name, size
+        self.image = UPLOAD_SCHEME + quote(name, safe="")
+        self.sent = 0
+        self.ejected = False
+        self._stream: upload.ProxyStream | None = None
+
+    def media(self) -> VirtualMedia:
+        percent = self.sent * 100 // self.size if self.size else 0
+        return VirtualMedia(self.slot, self.image, False, True, MediaState.INSERTING,
+                            f"uploading {self.name} from a client: {self.sent} of {self.size} bytes", percent)
+
+    def open(self) -> None:
+        machine = self.machine
+        try:
+            proxy = upload.find_proxy(machine.client, machine.upload_proxy)
+            machine._upload_ready(self)
+            token = upload.request_token(machine.client, machine.namespace, self.dv_name)
+            self._stream = upload.ProxyStream(proxy, token, self.size)
+        except upload.ProxyUnreachable as exc:
+            raise BackendUnavailable(str(exc), retry_after=10) from exc
+        except (upload.UploadError, OSError) as exc:
+            raise MachineError(str(exc)) from exc
+
+    def write(self, data: bytes) -> None:
+        if self.ejected:
+            raise InvalidRequest(f"the medium was ejected during the upload of {self.name}")
+        assert self._stream is not None
+        try:
+            self._stream.send(data)
+        except upload.ProxyUnreachable as exc:
+            raise BackendUnavailable(str(exc), retry_after=10) from exc
+        except upload.UploadError as exc:
+            raise MachineError(str(exc)) from exc
+        self.sent += len(data)
+
+    def finish(self) -> VirtualMedia:
+        assert self._stream is not None
+        try:
+            self._stream.answer()
+        except upload.ProxyUnreachable as exc:
+            raise BackendUnavailable(str(exc), retry_after=10) from exc
+        except upload.UploadError as exc:
+            raise MachineError(str(exc)) from exc
+        finally:
+            self._stream.close()
+        done = self.machine._insert_uploaded(self)
+        # Not read back (a read may be refused from a stale cache): the medium is in, whatever a read says now.
+        return VirtualMedia(self.slot, self.image, True, True, MediaState.INSERTED if done else MediaState.INSERTING)
+
+    def abort(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        self.machine._drop_upload(self)
+
+
+def _medium_image(dv: Obj) -> str:
+    """What a medium's DataVolume holds: its http(s) source's URL, or `upload:<file name>` for an upload."""
+    source = (dv.get("spec") or {}).get("source") or {}
+    if "upload" in source:
+        name = ((dv.get("metadata") or {}).get("annotations") or {}).get(UPLOAD_NAME) or \
+            (dv.get("metadata") or {}).get("name", "")
+        return UPLOAD_SCHEME + quote(str(name), safe="")
+    return str((source.get("http") or {}).get("url", ""))
 
 
 def _media_volume(disk: str, dv_name: str, hotplug: bool) -> Obj:

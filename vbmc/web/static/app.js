@@ -2,8 +2,12 @@
 // Redfish, kept live by the EventService's SSE stream; every button is a Redfish call; the consoles are the BMC's
 // WebSockets. Built with DOM calls and textContent only (no HTML from data), so nothing the machine or the cluster
 // says can become markup.
+//
+// A session's whole view comes from a <template> when the session starts and is removed when it ends (log out,
+// the session deleted or expired, the BMC restarted, the operator idle past the session timeout): before and after,
+// the document holds the login form and nothing else.
 
-import { Redfish } from "/ui/redfish.js";
+import { Redfish, errorText } from "/ui/redfish.js";
 import { Screen, SerialConsole } from "/ui/consoles.js";
 
 const $ = (id) => document.getElementById(id);
@@ -13,15 +17,27 @@ const RESET_LABELS = {
   GracefulRestart: "Restart", ForceRestart: "Reset", PowerCycle: "Power cycle",
   PushPowerButton: "Press the power button", Pause: "Pause", Resume: "Resume", Nmi: "NMI",
 };
-const REFRESH_EVERY = 10000; // ms: a read besides the events' (and the session stays alive)
+// The power actions that make sense in each power state (Redfish's ResetType against PowerState).
+const RESETS_IN = {
+  On: ["ForceOff", "GracefulShutdown", "GracefulRestart", "ForceRestart", "PowerCycle", "PushPowerButton", "Pause",
+    "Nmi"],
+  Off: ["On", "ForceOn", "PushPowerButton"],
+  Paused: ["Resume", "ForceOff", "ForceRestart"],
+  PoweringOn: ["ForceOff"],
+  PoweringOff: ["ForceOff"],
+};
+// The ones that ask first: they cut the machine's power or throw away what it was doing.
+const CONFIRM = {
+  ForceOff: "Power off the machine now? The guest does not shut down first: unsaved work is lost.",
+  ForceRestart: "Reset the machine now? The guest does not shut down first: unsaved work is lost.",
+  PowerCycle: "Power cycle the machine now? The guest does not shut down first: unsaved work is lost.",
+};
+const REFRESH_EVERY = 10000; // ms: a read besides the events'
+const MAX_EVENTS = 2000; // kept in the page; the BMC's logs keep their own
+const SHOWN_EVENTS = 500;
 
 const redfish = new Redfish();
-const serial = new SerialConsole($("terminal"), $("serial-status"));
-const screen = new Screen($("screen"), $("screen-status"));
-let system = null;
-let streaming = null;
-let refreshTimer = null;
-let refreshSoon = null;
+let view = null; // what the current session shows and runs; null when nobody is logged in
 
 function element(tag, text, attributes) {
   const node = document.createElement(tag);
@@ -36,8 +52,31 @@ function element(tag, text, attributes) {
 
 function say(id, text, error) {
   const node = $(id);
+  if (!node) {
+    return;
+  }
   node.textContent = text;
   node.classList.toggle("error", Boolean(error));
+}
+
+// One timestamp format everywhere: UTC, to the second.
+function when(value) {
+  const date = value ? new Date(value) : null;
+  if (!date || Number.isNaN(date.getTime())) {
+    return value ? String(value) : "";
+  }
+  return date.toISOString().replace("T", " ").replace(/\.\d+Z$/, "Z");
+}
+
+function ask(question, yes) {
+  const dialog = $("confirm");
+  $("confirm-text").textContent = question;
+  $("confirm-yes").textContent = yes;
+  dialog.returnValue = "";
+  dialog.showModal();
+  return new Promise((resolve) => {
+    dialog.addEventListener("close", () => resolve(dialog.returnValue === "yes"), { once: true });
+  });
 }
 
 async function attempt(messageId, work, done) {
@@ -46,6 +85,10 @@ async function attempt(messageId, work, done) {
     await work();
     say(messageId, done || "Done.");
   } catch (e) {
+    if (e.status === 401) {
+      await leave("The session ended: log in again.");
+      return;
+    }
     say(messageId, e.message, true);
   }
   scheduleRefresh();
@@ -68,66 +111,146 @@ $("login-form").addEventListener("submit", async (event) => {
   }
 });
 
-$("logout").addEventListener("click", () => leave("Logged out."));
-
 async function enter() {
+  const parts = $("session-template").content.cloneNode(true);
+  $("bar").append(parts.querySelector("#summary"));
+  $("main").append(parts.querySelector("#idle-warning"), parts.querySelector("#bmc"));
   $("login-section").hidden = true;
-  $("bmc").hidden = false;
-  $("summary").hidden = false;
+  view = { system: null, streaming: null, timers: [], refreshSoon: null, events: [], uploads: new Set(),
+    serial: null, screen: null, idle: { timeout: 0, last: Date.now() } };
+  bindSession();
   await refresh();
-  const consoles = system.SerialConsole && system.SerialConsole.WebSocket;
+  if (!view) {
+    return;
+  }
+  const hooks = { onSessionEnded: (why) => leave(`The session ended (${why}): log in again.`),
+    onDropped: () => scheduleRefresh() };
+  const consoles = view.system.SerialConsole && view.system.SerialConsole.WebSocket;
   if (consoles && consoles.ServiceEnabled) {
-    serial.open(consoles.ConsoleURI, redfish.token);
+    view.serial = new SerialConsole($("terminal"), $("serial-status"), consoles.ConsoleURI, redfish.token, hooks);
   } else {
     say("serial-status", "This machine has no serial console.");
   }
-  if (system.GraphicalConsole && system.GraphicalConsole.ServiceEnabled) {
-    screen.open("/consoles/screen", redfish.token);
+  if (view.system.GraphicalConsole && view.system.GraphicalConsole.ServiceEnabled) {
+    view.screen = new Screen($("screen"), $("screen-status"), $("no-signal"), "/consoles/screen", redfish.token,
+      hooks);
   } else {
     say("screen-status", "This machine has no screen.");
   }
   follow();
   loadLog();
-  refreshTimer = setInterval(refresh, REFRESH_EVERY);
+  showSessions();
+  showBmc();
+  view.timers.push(setInterval(refresh, REFRESH_EVERY), setInterval(showSessions, REFRESH_EVERY),
+    setInterval(checkIdle, 1000));
   $("power-heading").focus();
 }
 
+// The session is over: stop everything it started and remove everything it showed.
 async function leave(why) {
-  clearInterval(refreshTimer);
-  if (streaming) {
-    streaming.abort();
-    streaming = null;
+  const ending = view;
+  if (!ending) {
+    return;
   }
-  serial.close();
-  screen.close();
+  view = null;
+  for (const timer of ending.timers) {
+    clearInterval(timer);
+  }
+  clearTimeout(ending.refreshSoon);
+  if (ending.streaming) {
+    ending.streaming.abort();
+  }
+  for (const upload of ending.uploads) {
+    upload.abort();
+  }
+  for (const console of [ending.serial, ending.screen]) {
+    if (console) {
+      console.dispose();
+    }
+  }
+  if (document.fullscreenElement) {
+    document.exitFullscreen().catch(() => null);
+  }
+  if ($("confirm").open) {
+    $("confirm").close("no");
+  }
+  for (const id of ["summary", "idle-warning", "bmc"]) {
+    const node = $(id);
+    if (node) {
+      node.remove();
+    }
+  }
+  $("title").textContent = "KubeVBMC";
+  document.title = "KubeVBMC";
   await redfish.logout();
-  $("bmc").hidden = true;
-  $("summary").hidden = true;
+  $("username").value = "";
+  $("password").value = "";
   $("login-section").hidden = false;
   say("login-error", why || "");
   $("username").focus();
 }
 
+// ---- the operator's inactivity: the page's own polling is not activity, the operator's input is
+
+const ACTIVITY = ["keydown", "pointerdown", "wheel", "input"];
+for (const type of ACTIVITY) {
+  window.addEventListener(type, () => {
+    if (view) {
+      view.idle.last = Date.now();
+    }
+  }, { capture: true, passive: true });
+}
+
+function checkIdle() {
+  if (!view || !view.idle.timeout) {
+    return;
+  }
+  const timeout = view.idle.timeout;
+  const idle = (Date.now() - view.idle.last) / 1000;
+  const left = Math.ceil(timeout - idle);
+  const warnBefore = Math.min(60, timeout / 3);
+  if (left <= 0) {
+    leave(`Logged out after ${timeout} s without activity (the BMC's session timeout).`);
+    return;
+  }
+  const warning = $("idle-warning");
+  warning.hidden = left > warnBefore;
+  if (!warning.hidden) {
+    $("idle-text").textContent = `No activity: you will be logged out in ${left} s.`;
+  }
+}
+
 // ---- what the BMC says
 
 function scheduleRefresh() {
-  clearTimeout(refreshSoon);
-  refreshSoon = setTimeout(refresh, 150);
+  if (!view) {
+    return;
+  }
+  clearTimeout(view.refreshSoon);
+  view.refreshSoon = setTimeout(refresh, 150);
 }
 
 async function refresh() {
-  if (!redfish.token) {
+  const current = view;
+  if (!current || !redfish.token) {
     return;
   }
+  let system;
   try {
     const systems = await redfish.get("/redfish/v1/Systems");
     system = await redfish.get(systems.Members[0]["@odata.id"]);
+    const service = await redfish.get("/redfish/v1/SessionService");
+    current.idle.timeout = Number(service.SessionTimeout) || 0;
   } catch (e) {
-    if (e.status === 401) {
-      await leave("The session ended: log in again.");
+    if (e.status === 401 && view === current) {
+      await leave("The session ended (deleted, expired, or the BMC restarted): log in again.");
     }
     return;
   }
+  if (view !== current) {
+    return;
+  }
+  current.system = system;
   showSystem(system);
   await Promise.allSettled([showMedia(system), showSecureBoot(system), showInventory(system)]);
 }
@@ -148,11 +271,23 @@ function showSystem(doc) {
   if (buttons.dataset.types !== allowed.join(",")) {
     buttons.dataset.types = allowed.join(",");
     buttons.replaceChildren(...allowed.map((type) => {
-      const button = element("button", RESET_LABELS[type] || type, { type: "button", "data-reset": type });
-      button.addEventListener("click", () => attempt("power-message",
-        () => redfish.action(reset.target, { ResetType: type }), `${RESET_LABELS[type] || type}: sent.`));
+      const label = RESET_LABELS[type] || type;
+      const button = element("button", label, { type: "button", "data-reset": type });
+      if (CONFIRM[type]) {
+        button.classList.add("danger");
+      }
+      button.addEventListener("click", async () => {
+        if (CONFIRM[type] && !await ask(CONFIRM[type], label)) {
+          return;
+        }
+        attempt("power-message", () => redfish.action(reset.target, { ResetType: type }), `${label}: sent.`);
+      });
       return button;
     }));
+  }
+  const fitting = RESETS_IN[doc.PowerState] || [];
+  for (const button of buttons.querySelectorAll("button")) {
+    button.disabled = !fitting.includes(button.dataset.reset);
   }
 
   const boot = doc.Boot || {};
@@ -175,14 +310,43 @@ function fillSelect(select, values, current) {
   }
 }
 
-$("boot-form").addEventListener("submit", (event) => {
-  event.preventDefault();
-  attempt("boot-message", () => redfish.patch(system["@odata.id"], { Boot: {
-    BootSourceOverrideTarget: $("boot-target").value,
-    BootSourceOverrideEnabled: $("boot-enabled").value,
-    BootSourceOverrideMode: $("boot-mode").value,
-  } }), "The boot override is set.");
-});
+// ---- the session's controls (bound each time its view is made)
+
+function bindSession() {
+  $("logout").addEventListener("click", () => leave("Logged out."));
+  $("stay").addEventListener("click", () => {
+    view.idle.last = Date.now();
+    checkIdle();
+  });
+  $("boot-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    attempt("boot-message", () => redfish.patch(view.system["@odata.id"], { Boot: {
+      BootSourceOverrideTarget: $("boot-target").value,
+      BootSourceOverrideEnabled: $("boot-enabled").value,
+      BootSourceOverrideMode: $("boot-mode").value,
+    } }), "The boot override is set.");
+  });
+  $("secureboot-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    attempt("secureboot-message", () => redfish.patch(view.system.SecureBoot["@odata.id"],
+      { SecureBootEnable: $("secureboot-enable").checked }), "Secure boot is set for the next boot.");
+  });
+  $("send-keys").addEventListener("click", () => view.screen && view.screen.sendKeys($("key-macro").value));
+  $("fullscreen").addEventListener("click", () => view.screen && view.screen.fullscreen($("screen-frame")));
+  $("screenshot").addEventListener("click", () => view.screen && view.screen.screenshot($("screenshot-link")));
+  $("paste-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    if (view.screen) {
+      await view.screen.type($("paste-text").value);
+    }
+  });
+  for (const id of ["events-severity", "events-source", "events-search"]) {
+    $(id).addEventListener("input", showEvents);
+    $(id).addEventListener("change", showEvents);
+  }
+  $("events-csv").addEventListener("click", () => download("csv"));
+  $("events-json").addEventListener("click", () => download("json"));
+}
 
 // ---- virtual media
 
@@ -194,16 +358,31 @@ async function showMedia(doc) {
   }
   const collection = await redfish.get(doc.VirtualMedia["@odata.id"]);
   const slots = await Promise.all(collection.Members.map((m) => redfish.get(m["@odata.id"])));
+  if (!view) {
+    return;
+  }
   for (const slot of slots) {
     let form = box.querySelector(`[data-slot="${CSS.escape(slot.Id)}"]`);
     if (!form) {
       form = mediaForm(slot);
       box.append(form);
     }
-    const state = slot.Inserted ? `${slot.Image} (${slot.ConnectedVia || "inserted"})` : "empty";
+    const uploaded = slot.ConnectedVia === "Applet";
+    const source = uploaded ? "uploaded from a browser" : slot.ConnectedVia || "inserted";
+    const state = slot.Inserted ? `${uploaded ? slot.ImageName || slot.Image : slot.Image} (${source})` : "empty";
     form.querySelector(".media-state").textContent = `${slot.Name || slot.Id}: ${state}`;
     form.querySelector(".eject").disabled = !slot.Inserted;
+    const busy = form.dataset.busy === "true";
+    form.querySelector(".insert").disabled = slot.Inserted || busy;
+    form.querySelector(".upload").disabled = slot.Inserted || busy;
   }
+}
+
+const ISO_MAGIC_AT = 32769; // ISO 9660's "CD001", in its first volume descriptor
+
+async function looksLikeIso(file) {
+  const magic = await file.slice(ISO_MAGIC_AT, ISO_MAGIC_AT + 5).text();
+  return magic === "CD001";
 }
 
 function mediaForm(slot) {
@@ -214,44 +393,114 @@ function mediaForm(slot) {
   const input = element("input", null, { id: `${id}-image`, type: "url", placeholder: "https://…/image.iso",
     autocomplete: "off" });
   const insert = element("button", "Insert", { type: "submit", class: "insert" });
-  const eject = element("button", "Eject", { type: "button", class: "eject" });
+  const eject = element("button", "Eject", { type: "button", class: "eject danger" });
+  const fileLabel = element("label", `Or an ISO from this computer for ${slot.Id}`, { for: `${id}-file` });
+  const file = element("input", null, { id: `${id}-file`, type: "file", accept: ".iso,application/x-iso9660-image" });
+  const upload = element("button", "Upload and insert", { type: "button", class: "upload" });
+  const cancel = element("button", "Cancel", { type: "button", class: "cancel secondary" });
+  cancel.hidden = true;
   const progress = element("progress", null, { max: "100", value: "0", class: "task-progress",
     "aria-label": `Progress of the ${slot.Id} insert` });
   progress.hidden = true;
   const message = element("p", "", { class: "message task-message", role: "status", "aria-live": "polite" });
-  form.append(state, label, input, insert, eject, progress, message);
+  form.append(state, label, input, insert, fileLabel, file, upload, cancel, eject, progress, message);
+  const tell = (text, error) => {
+    message.textContent = text;
+    message.classList.toggle("error", Boolean(error));
+  };
+  const busy = (on) => {
+    form.dataset.busy = String(on);
+    insert.disabled = on;
+    upload.disabled = on;
+    cancel.hidden = !on;
+  };
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     const actions = slot.Actions || {};
-    message.classList.remove("error");
-    message.textContent = "Inserting…";
+    tell("Inserting…");
     progress.hidden = false;
     progress.value = 0;
+    busy(true);
     try {
       const answer = await redfish.action(actions["#VirtualMedia.InsertMedia"].target,
         { Image: input.value, Inserted: true, WriteProtected: true });
       const task = await redfish.follow(answer.location, (t) => {
         progress.value = t.PercentComplete || 0;
-        message.textContent = `${t.TaskState}: ${t.PercentComplete || 0}%`;
+        tell(`${t.TaskState}: ${t.PercentComplete || 0}%`);
       });
       const said = (task.Messages || []).map((m) => m.Message).join(" ");
-      message.textContent = `${task.TaskState}${said ? `: ${said}` : ""}`;
-      message.classList.toggle("error", task.TaskState !== "Completed");
+      tell(`${task.TaskState}${said ? `: ${said}` : ""}`, task.TaskState !== "Completed");
     } catch (e) {
-      message.textContent = e.message;
-      message.classList.add("error");
+      tell(e.message, true);
+    }
+    busy(false);
+    scheduleRefresh();
+  });
+  upload.addEventListener("click", async () => {
+    const chosen = file.files && file.files[0];
+    if (!chosen) {
+      tell("Choose an ISO file first.", true);
+      return;
+    }
+    if (!await looksLikeIso(chosen)) {
+      tell(`${chosen.name} is not an ISO 9660 image (no CD001 at byte ${ISO_MAGIC_AT}): nothing was sent.`, true);
+      return;
+    }
+    busy(true);
+    progress.hidden = false;
+    progress.value = 0;
+    tell(`Uploading ${chosen.name}…`);
+    const xhr = new XMLHttpRequest();
+    view.uploads.add(xhr);
+    cancel.onclick = () => xhr.abort();
+    xhr.open("POST", `/ui/media/${encodeURIComponent(slot.Id)}/upload?name=${encodeURIComponent(chosen.name)}`);
+    xhr.setRequestHeader("X-Auth-Token", redfish.token);
+    xhr.setRequestHeader("Content-Type", "application/octet-stream");
+    xhr.upload.onprogress = (e) => {
+      if (e.lengthComputable) {
+        progress.value = Math.floor((100 * e.loaded) / e.total);
+        tell(`Uploading ${chosen.name}: ${progress.value}% of ${(e.total / 2 ** 20).toFixed(1)} MiB`);
+      }
+    };
+    const ended = new Promise((resolve) => {
+      xhr.onloadend = resolve;
+    });
+    xhr.send(chosen);
+    await ended;
+    if (view) {
+      view.uploads.delete(xhr);
+    }
+    busy(false);
+    if (xhr.status === 201) {
+      progress.value = 100;
+      tell(`Inserted: ${chosen.name}.`);
+    } else if (xhr.status === 0) {
+      tell("The upload was cancelled or the connection failed: nothing was inserted.", true);
+    } else {
+      let body = null;
+      try {
+        body = JSON.parse(xhr.responseText);
+      } catch (e) {
+        body = null;
+      }
+      if (xhr.status === 401) {
+        leave("The session ended: log in again.");
+        return;
+      }
+      tell(errorText(xhr.status, body), true);
     }
     scheduleRefresh();
   });
   eject.addEventListener("click", async () => {
-    message.classList.remove("error");
+    if (!await ask(`Eject the medium from ${slot.Name || slot.Id}? The machine loses it at once.`, "Eject")) {
+      return;
+    }
     progress.hidden = true;
     try {
       await redfish.action((slot.Actions || {})["#VirtualMedia.EjectMedia"].target, {});
-      message.textContent = "Ejected.";
+      tell("Ejected.");
     } catch (e) {
-      message.textContent = e.message;
-      message.classList.add("error");
+      tell(e.message, true);
     }
     scheduleRefresh();
   });
@@ -267,6 +516,9 @@ async function showSecureBoot(doc) {
     return;
   }
   const sb = await redfish.get(doc.SecureBoot["@odata.id"]);
+  if (!view) {
+    return;
+  }
   const current = sb.SecureBootCurrentBoot === null ? "the machine is off" : sb.SecureBootCurrentBoot;
   $("secureboot-state").textContent = `This boot: ${current}. Mode: ${sb.SecureBootMode}.`;
   if (document.activeElement !== $("secureboot-enable")) {
@@ -274,13 +526,7 @@ async function showSecureBoot(doc) {
   }
 }
 
-$("secureboot-form").addEventListener("submit", (event) => {
-  event.preventDefault();
-  attempt("secureboot-message", () => redfish.patch(system.SecureBoot["@odata.id"],
-    { SecureBootEnable: $("secureboot-enable").checked }), "Secure boot is set for the next boot.");
-});
-
-// ---- inventory
+// ---- inventory and the BMC itself
 
 async function members(link) {
   if (!link) {
@@ -290,8 +536,12 @@ async function members(link) {
   return Promise.all((collection.Members || []).map((m) => redfish.get(m["@odata.id"])));
 }
 
+function facts(list, pairs) {
+  list.replaceChildren(...pairs.filter(([, v]) => v).flatMap(([k, v]) => [element("dt", k), element("dd", v)]));
+}
+
 async function showInventory(doc) {
-  const facts = [
+  const found = [
     ["Model", `${doc.Manufacturer || ""} ${doc.Model || ""}`.trim()],
     ["Serial number", doc.SerialNumber],
     ["UUID", doc.UUID],
@@ -301,47 +551,167 @@ async function showInventory(doc) {
   ];
   const [nics, storages] = await Promise.all([members(doc.EthernetInterfaces), members(doc.Storage)]);
   for (const nic of nics) {
-    facts.push([`Network ${nic.Id}`, `${nic.MACAddress || "no MAC yet"} (${nic.LinkStatus || ""})`]);
+    found.push([`Network ${nic.Id}`, `${nic.MACAddress || "no MAC yet"} (${nic.LinkStatus || ""})`]);
   }
   for (const storage of storages) {
     const drives = await Promise.all((storage.Drives || []).map((d) => redfish.get(d["@odata.id"])));
     for (const drive of drives) {
       const size = drive.CapacityBytes ? `${(drive.CapacityBytes / 2 ** 30).toFixed(1)} GiB` : "size unknown";
-      facts.push([`Disk ${drive.Id}`, `${drive.MediaType || "disk"}, ${size}`]);
+      found.push([`Disk ${drive.Id}`, `${drive.MediaType || "disk"}, ${size}`]);
     }
   }
-  $("inventory").replaceChildren(...facts.filter(([, v]) => v).flatMap(([k, v]) => [element("dt", k),
-    element("dd", v)]));
+  if (view) {
+    facts($("inventory"), found);
+  }
+}
+
+async function showBmc() {
+  try {
+    const managers = await redfish.get("/redfish/v1/Managers");
+    const manager = await redfish.get(managers.Members[0]["@odata.id"]);
+    const protocols = manager.NetworkProtocol ? await redfish.get(manager.NetworkProtocol["@odata.id"]) : {};
+    if (!view) {
+      return;
+    }
+    const oem = (manager.Oem && manager.Oem.KubeVBMC) || {};
+    const tls = oem.TLS || {};
+    const endpoints = oem.Endpoints || {};
+    const enabled = ["HTTP", "HTTPS", "IPMI", "SSH", "KVMIP", "VirtualMedia"]
+      .filter((p) => protocols[p] && protocols[p].ProtocolEnabled)
+      .map((p) => (protocols[p].Port ? `${p} (port ${protocols[p].Port})` : p));
+    facts($("bmc-info"), [
+      ["Firmware", manager.FirmwareVersion && `KubeVBMC agent ${manager.FirmwareVersion}`],
+      ["Protocols", enabled.join(", ")],
+      ["Redfish", (endpoints.Redfish || []).join(" ")],
+      ["IPMI", endpoints.IPMI],
+      ["Certificate SHA-256", tls.CertificateFingerprintSHA256],
+      ["CA SHA-256 (pin this)", tls.CAFingerprintSHA256],
+      ["Certificate valid until", tls.NotAfter && when(tls.NotAfter)],
+    ]);
+  } catch (e) {
+    say("bmc-info", `The BMC's own information could not be read: ${e.message}`, true);
+  }
+}
+
+// ---- sessions: who is logged in, on which console
+
+async function showSessions() {
+  const current = view;
+  if (!current) {
+    return;
+  }
+  let sessions;
+  try {
+    sessions = await members({ "@odata.id": "/redfish/v1/SessionService/Sessions" });
+  } catch (e) {
+    say("sessions-message", e.message, true);
+    return;
+  }
+  if (view !== current) {
+    return;
+  }
+  const rows = sessions.map((s) => {
+    const oem = (s.Oem && s.Oem.KubeVBMC) || {};
+    const consoles = (oem.Consoles || []).map((c) => `${c.Console} from ${c.ClientOriginIPAddress} since ` +
+      `${when(c.Since)}`).join("; ");
+    const row = element("tr", null, { "data-session": s.Id });
+    row.append(element("td", s.UserName), element("td", s.ClientOriginIPAddress || ""),
+      element("td", when(s.CreatedTime)), element("td", s.SessionType || ""), element("td", consoles || "none"));
+    const cell = element("td");
+    if (oem.Current) {
+      cell.textContent = "this session";
+    } else {
+      const end = element("button", "End", { type: "button", class: "danger",
+        "aria-label": `End the session of ${s.UserName} from ${s.ClientOriginIPAddress || "unknown"}` });
+      end.addEventListener("click", async () => {
+        if (!await ask(`End the session of ${s.UserName} (${s.ClientOriginIPAddress || "unknown address"})? Its ` +
+          "consoles close.", "End the session")) {
+          return;
+        }
+        await attempt("sessions-message", () => redfish.request("DELETE", s["@odata.id"]), "The session ended.");
+        showSessions();
+      });
+      cell.append(end);
+    }
+    row.append(cell);
+    return row;
+  });
+  $("sessions").tBodies[0].replaceChildren(...rows);
 }
 
 // ---- events: the SSE stream, and the log services the BMC has
 
-function addEvent(time, severity, message, origin) {
-  const row = element("tr");
-  row.append(element("td", time), element("td", severity), element("td", origin ? `${message} (${origin})` :
-    message));
-  const body = $("events").tBodies[0];
-  body.prepend(row);
-  while (body.rows.length > 200) {
-    body.deleteRow(-1);
+function addEvent(time, severity, source, message, origin) {
+  view.events.push({ time: when(time), severity: severity || "", source, message: message || "",
+    origin: origin || "" });
+  if (view.events.length > MAX_EVENTS) {
+    view.events.splice(0, view.events.length - MAX_EVENTS);
   }
 }
 
+function filtered() {
+  const severity = $("events-severity").value;
+  const source = $("events-source").value;
+  const needle = $("events-search").value.trim().toLowerCase();
+  return view.events.filter((e) => (!severity || e.severity === severity) && (!source || e.source === source) &&
+    (!needle || `${e.time} ${e.severity} ${e.source} ${e.message} ${e.origin}`.toLowerCase().includes(needle)))
+    .sort((a, b) => (a.time < b.time ? 1 : a.time > b.time ? -1 : 0));
+}
+
+function showEvents() {
+  if (!view) {
+    return;
+  }
+  const shown = filtered();
+  const rows = shown.slice(0, SHOWN_EVENTS).map((e) => {
+    const row = element("tr");
+    row.append(element("td", e.time), element("td", e.severity), element("td", e.source),
+      element("td", e.origin ? `${e.message} (${e.origin})` : e.message));
+    return row;
+  });
+  $("events").tBodies[0].replaceChildren(...rows);
+  $("events-count").textContent = `${shown.length} of ${view.events.length} events` +
+    (shown.length > SHOWN_EVENTS ? ` (the newest ${SHOWN_EVENTS} shown; the download has all)` : "");
+}
+
+function download(format) {
+  const rows = filtered();
+  const fields = ["time", "severity", "source", "message", "origin"];
+  const quote = (v) => `"${String(v).replace(/"/g, '""')}"`;
+  const text = format === "json" ? JSON.stringify(rows, null, 1)
+    : [fields.join(","), ...rows.map((r) => fields.map((f) => quote(r[f])).join(","))].join("\r\n");
+  const blob = new Blob([text], { type: format === "json" ? "application/json" : "text/csv" });
+  const link = $("events-link");
+  const url = URL.createObjectURL(blob);
+  link.href = url;
+  const stamp = when(Date.now()).replace(/[: ]/g, "-");
+  link.download = `events-${(view.system && view.system.Id) || "bmc"}-${stamp}.${format}`;
+  link.click();
+  setTimeout(() => URL.revokeObjectURL(url), 10000);
+}
+
 async function follow() {
+  const current = view;
   const controller = new AbortController();
-  streaming = controller;
-  while (streaming === controller) {
+  current.streaming = controller;
+  while (view === current && current.streaming === controller) {
     try {
       say("events-status", "Following the BMC's events (EventService, server-sent events).");
       await redfish.events((event) => {
+        if (view !== current) {
+          return;
+        }
         for (const record of event.Events || []) {
           const origin = record.OriginOfCondition && record.OriginOfCondition["@odata.id"];
-          addEvent(record.EventTimestamp, record.MessageSeverity || record.Severity, record.Message, origin);
+          addEvent(record.EventTimestamp, record.MessageSeverity || record.Severity, "Events", record.Message,
+            origin);
         }
+        showEvents();
         scheduleRefresh();
+        showSessions();
       }, controller.signal);
     } catch (e) {
-      if (streaming !== controller) {
+      if (view !== current || current.streaming !== controller) {
         return;
       }
       say("events-status", `The event stream stopped (${e.message}); following again…`, true);
@@ -351,33 +721,34 @@ async function follow() {
 }
 
 async function loadLog() {
-  // A LogService (a BMC's event log or SEL), where the BMC has one, on the System or the Manager.
+  // The LogServices the BMC has (its SEL and audit log), on the System or the Manager.
+  const current = view;
   try {
     const managers = await redfish.get("/redfish/v1/Managers");
     const manager = await redfish.get(managers.Members[0]["@odata.id"]);
-    const services = [...await members(system.LogServices), ...await members(manager.LogServices)];
+    const services = [...await members(current.system.LogServices), ...await members(manager.LogServices)];
     for (const service of services) {
       const entries = await members(service.Entries);
-      for (const entry of entries.reverse()) {
-        addEvent(entry.Created, entry.Severity, entry.Message, service.Name || service.Id);
+      if (view !== current) {
+        return;
+      }
+      const source = /audit/i.test(`${service.Id} ${service.Name}`) ? "Audit" : "SEL";
+      for (const entry of entries) {
+        addEvent(entry.Created, entry.Severity, source, entry.Message, "");
       }
     }
   } catch (e) {
     // none: the live events are what there is
   }
+  showEvents();
 }
-
-// ---- the consoles' buttons
-
-$("ctrl-alt-del").addEventListener("click", () => screen.ctrlAltDel());
-$("screenshot").addEventListener("click", () => screen.screenshot($("screenshot-link")));
 
 // For the tests and for people at the browser's console: the page's state, read-only.
 window.kubevbmc = {
-  get serial() { return serial.state; },
-  get screen() { return screen.state; },
-  get loggedIn() { return Boolean(redfish.token); },
-  serialText() { return serial.text(); },
+  get serial() { return view && view.serial ? view.serial.state : "closed"; },
+  get screen() { return view && view.screen ? view.screen.state : "closed"; },
+  get loggedIn() { return Boolean(view); },
+  serialText() { return view && view.serial ? view.serial.text() : ""; },
 };
 
 $("username").focus();

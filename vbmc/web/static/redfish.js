@@ -2,13 +2,20 @@
 // EventService's SSE stream. The session token lives in this object only: never in localStorage, sessionStorage,
 // a cookie or a URL (a reload logs out).
 
+// The BMC's own words for a refusal: error.message (the registry's text and the BMC's detail, e.g. "a medium is
+// already inserted: eject it first"); the ExtendedInfo messages only when error.message points at them.
+export function errorText(status, body) {
+  const info = body && body.error;
+  const extended = (info && info["@Message.ExtendedInfo"]) || [];
+  if (info && info.message && !info.message.includes("@Message.ExtendedInfo")) {
+    return info.message;
+  }
+  return extended.map((m) => m.Message).join(" ") || (info && info.message) || `HTTP ${status}`;
+}
+
 export class RedfishError extends Error {
   constructor(status, body) {
-    const info = body && body.error;
-    const extended = info && info["@Message.ExtendedInfo"];
-    const text = (extended && extended.length && extended.map((m) => m.Message).join(" ")) ||
-      (info && info.message) || `HTTP ${status}`;
-    super(text);
+    super(errorText(status, body));
     this.status = status;
   }
 }
@@ -22,7 +29,7 @@ export class Redfish {
   async login(username, password) {
     const resp = await fetch("/redfish/v1/SessionService/Sessions", {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
+      headers: { "Content-Type": "application/json", "X-KubeVBMC-Client": "page" },
       body: JSON.stringify({ UserName: username, Password: password }),
       credentials: "omit",
       cache: "no-store",
