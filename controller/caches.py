@@ -18,6 +18,7 @@ from typing import Any
 from .desired import AGENT, MANAGED_BY, MANAGER, NAME_LABEL, OWNER_LABEL, POOL_LABEL, pool_name
 from .informer import Informer, Key, Kind
 from .kubeapi import KubeApi
+from .rollout import REVISION
 from .settings import FIELD_MANAGER
 from .spec import GROUP, KIND, VERSION
 
@@ -74,6 +75,15 @@ _KEPT_SPEC = ("clusterIP", "clusterIPs")
 
 def without_managed_fields(obj: Obj, _cached: Obj | None = None) -> Obj:
     (obj.get("metadata") or {}).pop("managedFields", None)
+    return _interned(obj)
+
+
+def slim_bmc(obj: Obj, _cached: Obj | None = None) -> Obj:
+    """A VirtualMachineBMC without what the controller never reads: its managedFields and annotations (kubectl
+    apply's last-applied-configuration is a second copy of the spec)."""
+    meta = obj.get("metadata") or {}
+    meta.pop("managedFields", None)
+    meta.pop("annotations", None)
     return _interned(obj)
 
 
@@ -177,6 +187,21 @@ def _owned_maps(fields: Obj) -> Obj:
     return out
 
 
+def fleet_view(deployment: Obj) -> Obj:
+    """An agent Deployment as the fleet's rollout reads it (rollout.plan, verdicts): identity, generation,
+    replicas and deadline, the template's revision annotation, the status. A verdict that names a ReplicaSet is
+    checked against the whole template, read from the cache (Reconciler._judged)."""
+    meta, spec = deployment.get("metadata") or {}, deployment.get("spec") or {}
+    template_meta = ((spec.get("template") or {}).get("metadata") or {})
+    return {"apiVersion": deployment.get("apiVersion"), "kind": deployment.get("kind"),
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation", "labels",
+                                              "ownerReferences") if k in meta},
+            "spec": {**{k: spec[k] for k in ("replicas", "progressDeadlineSeconds") if k in spec},
+                     "template": {"metadata": {"annotations": {
+                         k: v for k, v in (template_meta.get("annotations") or {}).items() if k == REVISION}}}},
+            "status": deployment.get("status") or {}}
+
+
 def slim_vm(vm: Obj, _cached: Obj | None = None) -> Obj:
     meta = vm.get("metadata") or {}
     disks = (((((vm.get("spec") or {}).get("template") or {}).get("spec") or {}).get("domain") or {})
@@ -216,11 +241,18 @@ class Caches:
         self._by_pool: dict[Key, set[str]] = {}  # (ns, pool) -> BMC names
         self._pools: dict[Key, str] = {}  # (ns, BMC) -> its pool
         selector = f"{MANAGED_BY}={MANAGER}"
-        self.bmcs = Informer(api, BMCS, namespace=namespace, transform=without_managed_fields)
-        self.vms = Informer(api, VMS, namespace=namespace, keep=self._vm_wanted, transform=slim_vm)
-        self.secrets = Informer(api, SECRETS, namespace=namespace, keep=self._secret_wanted, transform=slim_child)
-        self.children = {kind: Informer(api, k, namespace=namespace, label_selector=selector, transform=slim_child)
+        self.bmcs = Informer(api, BMCS, namespace=namespace, transform=slim_bmc)
+        # Held pickled (Informer's `compact`): at 10,000 VirtualMachineBMCs these caches as dicts were most of the
+        # controller's memory (a Deployment as applied was 15 KB of dicts). The fleet's rollout plans over every
+        # agent Deployment: it reads their summaries (`_fleet`, dicts), not the pickles. VirtualMachineBMCs, read
+        # by every path, stay dicts.
+        self.vms = Informer(api, VMS, namespace=namespace, keep=self._vm_wanted, transform=slim_vm, compact=True)
+        self.secrets = Informer(api, SECRETS, namespace=namespace, keep=self._secret_wanted, transform=slim_child,
+                                compact=True)
+        self.children = {kind: Informer(api, k, namespace=namespace, label_selector=selector, transform=slim_child,
+                                        compact=True)
                          for kind, k in CHILD_KINDS.items() if kind != "Secret"}
+        self._fleet: dict[Key, Obj] = {}  # agent Deployments as the rollout reads them (fleet_view)
         self.children["Secret"] = self.secrets
         self.bmcs.handlers.append(self._on_bmc)
         self.vms.handlers.append(lambda old, new: self._by_index(self._by_vm, old or new))
@@ -231,13 +263,15 @@ class Caches:
         for kind, informer in self.children.items():
             if kind != "Secret":
                 informer.handlers.append(self._on_child)
-        self.children["Deployment"].handlers.append(self._on_deployment)
+        self.children["Deployment"].handlers.insert(0, self._on_deployment)
 
     def informers(self) -> list[Informer]:
         return [self.bmcs, self.vms, *self.children.values()]
 
     def start(self, timeout: float) -> bool:
-        """BMCs first (the others' `keep` reads their references), then the rest; True once all are synced."""
+        """BMCs first (the others' `keep` reads their references), then the rest; True once all are synced. Called
+        again after a timeout, it waits on (a restarted controller at 10,000 BMCs on a loaded machine took more
+        than 30 s to list everything, and starting the informers twice raised)."""
         self.bmcs.start()
         if not self.bmcs.wait_synced(timeout):
             return False
@@ -265,8 +299,9 @@ class Caches:
         return [b for b in (self.bmcs.get(namespace, n) for n in names) if b is not None]
 
     def agents(self) -> list[Obj]:
-        """Every agent Deployment, dedicated and pooled: the fleet a rollout goes through."""
-        return [d for d in self.children["Deployment"].list() if is_agent(d)]
+        """Every agent Deployment, dedicated and pooled: the fleet a rollout goes through, as `fleet_view`s."""
+        with self._lock:
+            return list(self._fleet.values())
 
     # ---- keep predicates and handlers
 
@@ -347,7 +382,16 @@ class Caches:
         self._on_child(old, new)
 
     def _on_deployment(self, old: Obj | None, new: Obj | None) -> None:
-        if is_agent(new or old) and changed(old, new):
+        obj = new or old
+        assert obj is not None
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        with self._lock:
+            if new is not None and is_agent(new):
+                self._fleet[key] = fleet_view(new)
+            else:
+                self._fleet.pop(key, None)
+        if is_agent(obj) and changed(old, new):
             self.enqueue(FLEET)
 
     def _on_child(self, old: Obj | None, new: Obj | None) -> None:

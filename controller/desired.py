@@ -309,6 +309,30 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
                              container, volumes)
 
 
+# The agent's probes, sized for a fleet: the kubelet sends every one of them, for every agent on its node. Until
+# the agent is first ready, /readyz every second (startupProbe: a new agent is in its Service within about a
+# second, and the kubelet probes readiness at once when startup succeeds); then readiness every 10 s and liveness
+# every 20 s, 0.15 probes a second per agent where 1 s and 10 s cost 1.1 (1,100 a second for 1,000 agents on
+# the kubelets, each a connection the agent accepts). Once ready, an agent's /readyz stays 200 (it answers from
+# memory, and stays ready while the API server is silent), so a shorter readiness period would buy nothing; a hung
+# agent is restarted after 3 x 20 s. An agent not ready within STARTUP_SECONDS is restarted.
+PROBE_PERIOD_STARTUP, PROBE_PERIOD_READINESS, PROBE_PERIOD_LIVENESS = 1, 10, 20
+STARTUP_SECONDS = 600
+
+
+def agent_probes() -> dict[str, Obj]:
+    """The agent container's startupProbe, readinessProbe and livenessProbe (dedicated and pooled alike: both
+    answer /healthz and /readyz on the `http` port, from memory, without credentials)."""
+
+    def on(path: str, period: int, failures: int) -> Obj:
+        return {"httpGet": {"path": path, "port": "http", "scheme": "HTTP"}, "periodSeconds": period,
+                "timeoutSeconds": 2, "failureThreshold": failures, "successThreshold": 1}
+
+    return {"startupProbe": on("/readyz", PROBE_PERIOD_STARTUP, STARTUP_SECONDS // PROBE_PERIOD_STARTUP),
+            "readinessProbe": on("/readyz", PROBE_PERIOD_READINESS, 3),
+            "livenessProbe": on("/healthz", PROBE_PERIOD_LIVENESS, 3)}
+
+
 def _agent_container(settings: Settings, args: list[str], ports: list[Obj], env: list[Obj], mounts: list[Obj],
                      requests: dict[str, str], memory_limit: str) -> Obj:
     return {
@@ -319,11 +343,7 @@ def _agent_container(settings: Settings, args: list[str], ports: list[Obj], env:
                                                                      "fieldPath": "metadata.namespace"}}},
                 {"name": "TMPDIR", "value": RUN_DIR}, *env],
         "ports": ports,
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http", "scheme": "HTTP"}, "periodSeconds": 1,
-                           "timeoutSeconds": 2, "failureThreshold": 3, "successThreshold": 1},
-        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http", "scheme": "HTTP"},
-                          "initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 2,
-                          "failureThreshold": 3, "successThreshold": 1},
+        **agent_probes(),
         "resources": {"requests": requests, "limits": {"memory": memory_limit}},
         "securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
                             "capabilities": {"drop": ["ALL"]}},

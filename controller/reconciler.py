@@ -455,7 +455,10 @@ class Reconciler:
         for w in written:
             if _rv(w) > _rv(agents.get(rollout.key_of(w))):
                 agents[rollout.key_of(w)] = w
-        plan = rollout.plan((self._judged(d) for d in agents.values()), self.settings)
+        # A verdict naming a ReplicaSet is judged against the whole template: the cached Deployment, not its
+        # summary (Caches.agents).
+        plan = rollout.plan((self._judged(self._cached("Deployment", *key) or d)
+                             if verdicts.timed_out_replicaset(d) else d for key, d in agents.items()), self.settings)
         with self._lock:
             if self._fleet_version == version:
                 self._fleet_plan = (version, plan)

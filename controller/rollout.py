@@ -31,7 +31,7 @@ Obj = dict[str, Any]
 Key = tuple[str, str]
 
 REVISION = "bmc.kubevirt.io/agent-revision"
-TEMPLATE_VERSION = "2"  # the pod template's shape: bumped with every change of what desired renders
+TEMPLATE_VERSION = "3"  # the pod template's shape: bumped with every change of what desired renders
 
 
 def revision(settings: Settings) -> str:

@@ -292,6 +292,17 @@ _WS_CLOSE_TIMEOUT = 1.0
 _WS_TICK = 0.25
 
 
+def _readable(objects: list[Any], timeout: float) -> list[Any]:
+    """Those of `objects` (sockets, or anything with a fileno) that are readable, closed or failed within `timeout`
+    seconds. poll, not select.select: kubesim holds thousands of descriptors (a Service's listeners, watches), and
+    select.select refuses any numbered 1,024 or more."""
+    poller = select.poll()
+    for thing in objects:
+        poller.register(thing, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(timeout * 1000)}  # POLLHUP and POLLERR come whether asked for or not
+    return [thing for thing in objects if thing.fileno() in ready]
+
+
 def run_websocket(sock: socket.socket, peer: StreamPeer, stopping: threading.Event) -> None:
     """Carry a stream over an upgraded connection (wsproto for the framing): what the peer produces goes out as
     binary messages, binary and text messages from the client go to the peer, pings get pongs. It ends when the
@@ -320,10 +331,8 @@ def run_websocket(sock: socket.socket, peer: StreamPeer, stopping: threading.Eve
             if closing_since is not None and time.monotonic() - closing_since > _WS_CLOSE_TIMEOUT:
                 return
             waiting: list[Any] = [sock] if closing_since is not None else [sock, peer]
-            if isinstance(sock, ssl.SSLSocket) and sock.pending():
-                ready = [sock]  # decrypted bytes already buffered, which select cannot see
-            else:
-                ready = select.select(waiting, [], [], _WS_TICK)[0]
+            buffered = isinstance(sock, ssl.SSLSocket) and sock.pending()  # decrypted bytes poll cannot see
+            ready = [sock] if buffered else _readable(waiting, _WS_TICK)
             if sock in ready:
                 data = sock.recv(65536)
                 ws.receive_data(data or None)
@@ -911,7 +920,7 @@ class _Handler(BaseHTTPRequestHandler):
                 lines, ended = run.lines[seen:], run.ended
             if lines or ended:
                 return lines, seen + len(lines), ended
-            if select.select([self.connection], [], [], 0)[0]:
+            if _readable([self.connection], 0):
                 raise ConnectionResetError("the client went away")
         return [], seen, True
 

@@ -589,6 +589,87 @@ def test_sigterm_stops_a_pool(tmp_path: Path) -> None:
         process.stop()
 
 
+# ---- a pool past 1,024 descriptors
+
+
+LARGE_POOL = 280  # memory backend: about 4 descriptors a member (UDP socket, wake pair, HTTP listener): past 1,024
+
+
+class CpuAtRest:
+    """The pool process's CPU use (utime + stime) since the previous look, for a wait on "at rest"."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.last = (time.monotonic(), self.used())
+
+    def used(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def __call__(self) -> bool:
+        """Whether the last second (at least) took under 5% of a core."""
+        now, used = time.monotonic(), self.used()
+        then, before = self.last
+        if now - then < 1.0:
+            return False
+        self.last = (now, used)
+        return (used - before) / (now - then) < 0.05
+
+
+def threads_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    match = re.search(r"^Threads:\s+(\d+)$", status, re.MULTILINE)
+    assert match is not None
+    return int(match.group(1))
+
+
+def test_a_pool_raises_its_soft_descriptor_limit_to_the_hard_one() -> None:
+    import resource
+
+    from vbmc.agent.command import raise_descriptor_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard descriptor limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # a container's usual soft limit
+    try:
+        raise_descriptor_limit()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def answers_ipmi(member: Member) -> bool:
+    """A login and Get Chassis Status, from a console in this process (hundreds of ipmitool runs take long)."""
+    from vbmc.ipmi import codec
+
+    from ..ipmi.client import Console
+
+    with Console(("127.0.0.1", member.ipmi_port), timeout=2.0) as console:
+        if console.login(member.user, member.password) != (4, 0):
+            return False
+        answer = console.request(codec.NETFN_CHASSIS, codec.GET_CHASSIS_STATUS, attempts=3)
+    return answer is not None and answer.payload[6] == 0
+
+
+def test_a_pool_past_1024_descriptors_answers_every_member_and_rests(tmp_path: Path) -> None:
+    members = [new_member(i) for i in range(LARGE_POOL)]
+    process = PoolProcess(tmp_path, members)
+    try:
+        wait_for(process.ready, timeout=60, interval=0.2, what="the large pool to be ready")
+        descriptors = len(os.listdir(f"/proc/{process.proc.pid}/fd"))
+        assert descriptors > 1024  # what the test is about: members' sockets numbered past select's limit
+        assert descriptors <= 5 * LARGE_POOL + 100  # a small constant per member
+        assert threads_of(process.proc.pid) <= LARGE_POOL + 50  # its IPMI thread; Redfish workers come on use
+        silent = [m.name for m, answered in zip(members, each(members, answers_ipmi), strict=True) if not answered]
+        assert silent == []
+        # At rest it costs nothing: no member's thread spins (a ValueError from select.select looped on, before).
+        wait_for(CpuAtRest(process.proc.pid), timeout=30, interval=0.5, what="the pool at rest")
+        assert "Traceback" not in process.output() and "ERROR" not in process.output()
+    finally:
+        assert process.stop(timeout=10) == 0, process.output()[-3000:]
+
+
 # ---- on kubesim: the pool Secret and the kubevirt backend
 
 

@@ -6,6 +6,7 @@ import argparse
 import base64
 import datetime
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -127,6 +128,25 @@ def test_the_agent_deployment_is_locked_down_and_rolls_on_credential_changes() -
     assert c["resources"]["requests"]
     key = desired.CREDENTIALS_VERSION
     assert spec["template"]["metadata"]["annotations"][key] != two["spec"]["template"]["metadata"]["annotations"][key]
+
+
+def test_the_agent_probes_are_sized_for_a_fleet_and_documented() -> None:
+    """Issue 29: the kubelet sends every probe of every agent; after a fast start, readiness every 10 s and liveness
+    every 20 s (not 1 s and 10 s), for dedicated and pooled agents alike, as docs/reference.md says."""
+    dedicated = desired.desired_deployment(bmc(), "vm", Settings(), secret(username="u", password="p"), None)
+    pooled = desired.desired_pool_deployment("ns", "rack", [bmc()], Settings())
+    for deployment in (dedicated, pooled):
+        c = deployment["spec"]["template"]["spec"]["containers"][0]
+        probes = {kind: (c[f"{kind}Probe"]["httpGet"]["path"], c[f"{kind}Probe"]["httpGet"]["port"],
+                         c[f"{kind}Probe"]["periodSeconds"]) for kind in ("startup", "readiness", "liveness")}
+        assert probes == {"startup": ("/readyz", "http", 1), "readiness": ("/readyz", "http", 10),
+                          "liveness": ("/healthz", "http", 20)}
+        startup = c["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] == desired.STARTUP_SECONDS
+        assert "initialDelaySeconds" not in c["livenessProbe"]  # the startup probe holds it back
+    reference = " ".join((Path(__file__).parents[2] / "docs" / "reference.md").read_text().split())
+    assert (f"a startup probe on `/readyz` every second (for up to {desired.STARTUP_SECONDS} s" in reference
+            and "a readiness probe on `/readyz` every 10 s and a liveness probe on `/healthz` every 20 s" in reference)
 
 
 @pytest.mark.parametrize(("environment", "flags", "level"), [

@@ -186,7 +186,7 @@ class Bmc:
         server = self.agent.server_config
         self.front = RedfishFront(app, probes={"/healthz": lambda: True, "/readyz": self.ready},
                                   threads=server.threads, body_timeout=server.body_timeout, limits=server.limits,
-                                  web=web, arrived=self.machine.client_arrived)
+                                  web=web, arrived=self.machine.client_arrived, monitoring=(METRICS_PATH,))
 
     def _login_throttled(self, engaged: Engaged) -> None:
         """A Warning Event on this BMC's VirtualMachineBMC (at most one per source a minute, see

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import resource
 import ssl
 import sys
 from dataclasses import dataclass
@@ -216,6 +217,18 @@ def dedicated(config: AgentConfig) -> tuple[Settings, BmcSpec]:
     return settings, spec
 
 
+def raise_descriptor_limit() -> None:
+    """A pool holds about 7 descriptors a member, and a container's soft limit may be 1,024 (its hard limit is far
+    higher): the soft limit is raised to the hard one, as Go programs do at start."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("pool: descriptor limit stays at %d: %s", soft, exc)
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, getattr(args, "log_format", "text"))
     pooled = bool(getattr(args, "pool", ""))
@@ -236,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubevbmc agent: {exc}", file=sys.stderr)
         return 2
     lazy_url_builders()
+    if pooled:
+        raise_descriptor_limit()
     kube = None
     if backend == "kubevirt":
         from ..machine.kubevirt.client import KubeClient, Unreachable, load_credentials

@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import logging
 import math
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -292,6 +292,15 @@ class IpmiServer:
     def _serve(self) -> None:
         assert self._socket is not None and self._wake is not None
         sock, wake = self._socket, self._wake[0]
+        # poll, not select.select: a pool's process holds thousands of descriptors, and select.select refuses any
+        # numbered 1,024 or more (ValueError), which would leave this BMC deaf and its thread spinning. Not epoll
+        # either: its own descriptor would be one more per member.
+        with selectors.PollSelector() as selector:
+            selector.register(sock, selectors.EVENT_READ)
+            selector.register(wake, selectors.EVENT_READ)
+            self._serve_with(selector, sock, wake)
+
+    def _serve_with(self, selector: selectors.BaseSelector, sock: socket.socket, wake: socket.socket) -> None:
         while not self._stopping.is_set():
             now = time.monotonic()
             # Asleep while idle: with no session to expire and no SOL output due, nothing happens until a packet
@@ -303,12 +312,13 @@ class IpmiServer:
             if due is not None:
                 timeout = min(timeout if timeout is not None else math.inf, max(0.0, due - now))
             try:
-                readable, _, _ = select.select((sock, wake), (), (), timeout)
+                readable = [key.fileobj for key, _ in selector.select(timeout)]
             except (OSError, ValueError):
                 if self._stopping.is_set():
                     return
-                log.exception("ipmi select failed vm=%s", self._vm)
-                continue
+                # Not retried: an error here (a closed socket) would repeat at once, for ever.
+                log.exception("ipmi stopped serving: waiting for packets failed vm=%s", self._vm)
+                return
             if wake in readable:
                 self._run_inbox()
             if sock in readable:
@@ -355,8 +365,9 @@ class IpmiServer:
                 log.exception("ipmi: serial console work failed vm=%s", self._vm)
 
     def _datagram(self, packet: bytes, sockaddr: Any) -> None:
-        self.machine.client_arrived()  # a session's first command comes a few round trips later
         kind = rmcp.classify(packet)
+        if kind is not rmcp.PacketKind.ASF:  # an RMCP presence ping is a monitor's, answered from nothing
+            self.machine.client_arrived()  # a session's first command comes a few round trips later
         if kind is rmcp.PacketKind.RMCP_PLUS:
             payload_type = rmcp.rmcp_plus_payload_type(packet)
             session_id = rmcp.rmcp_plus_session_id(packet)

@@ -139,13 +139,18 @@ class RedfishFront:
 
     def __init__(self, app: Any, *, probes: Mapping[str, Probe] | None = None, threads: int = 2,
                  body_timeout: float = 10.0, limits: Limits | None = None, web: Any = None,
-                 arrived: Callable[[], None] | None = None) -> None:
+                 arrived: Callable[[], None] | None = None, monitoring: Iterable[str] = ()) -> None:
         self.app = app
         # What the port serves besides Redfish (the agent's vbmc/web WebFront: the page and the consoles'
         # WebSockets), on the event loop; without it every WebSocket is refused.
         self.web = web
         self.probes = dict(probes or {})
-        self.arrived = arrived  # told of every request but a probe, before its body is read (must not block)
+        # Told of every request but a monitor's, when its head is whole and before its body is read (must not
+        # block): the probes, `monitoring`'s paths (the app answers them, e.g. /metrics, but the kubelet and
+        # Prometheus ask them on a clock, not a client), and a connection that sends nothing (a tcpSocket probe, a
+        # port scan) never tell it, so that they cost the backend nothing (a silent cache is confirmed for clients).
+        self.arrived = arrived
+        self.monitoring = frozenset(monitoring)
         self.body_timeout = body_timeout
         self.limits = limits or Limits()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="redfish")
@@ -165,6 +170,8 @@ class RedfishFront:
                     return
         elif kind == "websocket":
             if self.web is not None:
+                if self.arrived is not None:
+                    self.arrived()
                 await self.web.websocket(scope, receive, send)
             else:
                 await send({"type": "websocket.close", "code": 1003})
@@ -176,7 +183,7 @@ class RedfishFront:
             await _respond(send, 200 if ok else 503, [(b"content-type", b"text/plain")],
                            b"ok\n" if ok else b"not ready\n")
             return
-        if self.arrived is not None:
+        if self.arrived is not None and scope["path"] not in self.monitoring:
             self.arrived()
         if self.web is not None and self.web.takes_body(scope):
             # The page's media upload (vbmc/web/upload.py): a body of any size, read by the web front as it comes.
@@ -651,9 +658,6 @@ class _CappedListener(socket.socket):
     bounded (each connection costs tens of kilobytes, a TLS one more) however many a client opens."""
 
     slots: _Slots
-    # Told of every connection accepted, before its TLS handshake (the front's `arrived`: a client is coming, so
-    # the confirmation of a silent cache runs while the handshake does). Must not block: the event loop's thread.
-    accepted: Callable[[], None] | None = None
 
     def accept(self) -> tuple[socket.socket, Any]:
         fd, address = self._accept()  # type: ignore[attr-defined]
@@ -663,8 +667,6 @@ class _CappedListener(socket.socket):
             log.debug("redfish: %d connections open, closed one from %s", self.slots.cap, address)
             raise ConnectionAbortedError  # asyncio's accept loop drops it and goes on
         conn.slots = self.slots
-        if self.accepted is not None:
-            self.accepted()
         return conn, address
 
 
@@ -717,8 +719,8 @@ class Listeners:
         _small_tls_buffers()
         try:
             for sock, tls in self._sockets:
-                if isinstance(sock, _CappedListener):
-                    sock.accepted = self.front.arrived
+                # No word to the front's `arrived` on accept: the kubelet's probes connect every few seconds, and a
+                # connection is a client only once it asks for something other than a probe (RedfishFront).
                 self._servers.append(await asyncio.start_server(
                     self._connection, sock=sock, backlog=self._hc.backlog, ssl=tls,
                     ssl_handshake_timeout=self._hc.ssl_handshake_timeout if tls is not None else None))
