@@ -23,6 +23,7 @@ SLOWEST_FIRST = [
     "tests/guests/test_uefi_guest.py",  # OVMF and secure boot: TCG on hosts whose KVM cannot run OVMF
     "tests/ironic/test_ironic.py",  # about 3.5 minutes: every Ironic workflow, with 40 s imports
     "tests/guests/test_ironic_guest.py",
+    "tests/web/test_page.py",  # about 3 minutes of Chromium, one module (an idle logout waits out 30 s twice)
     "tests/project/test_containers.py",  # the image, then the chart's controller and agents as containers
     "tests/controller/test_fleet.py",  # a rollout in batches, halted and resumed
     "tests/ipmi/test_sol_stress.py",
