@@ -117,6 +117,26 @@ def serve(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         consoles_tests.stop_bmc(bmc)
 
 
+def test_a_refused_upgrade_answers_the_redfish_services_error_for_the_same_condition(serve: Any) -> None:
+    bmc = serve()
+    status, body = consoles_tests.refused(bmc, subprotocols=["kubevbmc", "x-auth-token.not-a-session"])
+    service_status, service, _ = redfish_full(bmc.base, "GET", "/redfish/v1/Systems/vm", token="not-a-session")
+    assert status == service_status == 401
+    assert body["error"]["code"] == service["error"]["code"] == "Base.1.19.NoValidSession"
+    assert body["error"]["@Message.ExtendedInfo"] == service["error"]["@Message.ExtendedInfo"]
+    assert body["error"]["message"] == f"{service['error']['message']} No live Redfish session for this token."
+
+    for _ in range(12):
+        redfish_full(bmc.base, "POST", SESSIONS, {"UserName": USER, "Password": "no"})
+    status, body = consoles_tests.refused(bmc, subprotocols=["kubevbmc", "x-auth-token.not-a-session"])
+    service_status, service, _ = redfish_full(bmc.base, "POST", SESSIONS, {"UserName": USER, "Password": PASSWORD})
+    assert status == service_status == 429
+    for error in (body["error"], service["error"]):
+        assert error["code"] == "Base.1.19.ServiceTemporarilyUnavailable"
+        assert error["message"].endswith(" Too many failed logins from this address.")
+        assert error["@Message.ExtendedInfo"][0]["MessageId"] == "Base.1.19.ServiceTemporarilyUnavailable"
+
+
 def test_a_serial_message_over_4_kib_is_refused_with_1009_and_nothing_of_it_is_typed(serve: Any) -> None:
     bmc = serve()
     token, _ = bmc.login()

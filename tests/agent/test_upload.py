@@ -202,10 +202,10 @@ def test_every_refusal_comes_before_anything_is_done_and_says_why(bmc: Bmc) -> N
     assert post_upload(bmc.port, token, iso, Origin=bmc.base)[0] != 403  # the page's own origin
     status, body = post_upload(bmc.port, token, b"MZ" + bytes(64 * 1024), name="setup.exe")
     assert status == 415
-    assert body["error"]["message"].startswith("setup.exe is not an ISO 9660 image")
+    assert "setup.exe is not an ISO 9660 image" in body["error"]["message"]
     assert body["error"]["@Message.ExtendedInfo"][0]["MessageId"] == "Base.1.19.GeneralError"
     status, body = post_upload(bmc.port, token, bytes(11 * MI), name="big.iso")
-    assert status == 413 and body["error"]["message"].startswith("big.iso is 0.0 GiB, more than this BMC takes")
+    assert status == 413 and "big.iso is 0.0 GiB, more than this BMC takes" in body["error"]["message"]
     status, body, _ = request(bmc.port, "POST", "/ui/media/Floppy/upload?name=x.iso", iso,
                               {"X-Auth-Token": token, "Content-Type": "application/octet-stream"})
     assert status == 404
@@ -216,6 +216,29 @@ def test_every_refusal_comes_before_anything_is_done_and_says_why(bmc: Bmc) -> N
     assert status == 400 and body["error"]["code"] == "Base.1.19.ActionNotSupported"
     entries = [e.fields["result"] for e in bmc.machine.audit_trail.entries()]
     assert sum(str(r).startswith("refused") for r in entries) >= 8
+
+
+def test_a_refusal_is_the_error_the_redfish_service_gives_for_the_same_condition(bmc: Bmc) -> None:
+    status, upload = post_upload(bmc.port, "not-a-session", iso_head(64 * 1024))
+    service_status, service, _ = request(bmc.port, "GET", "/redfish/v1/Systems", headers={"X-Auth-Token":
+                                                                                           "not-a-session"})
+    assert status == service_status == 401
+    assert upload["error"]["code"] == service["error"]["code"] == "Base.1.19.NoValidSession"
+    assert upload["error"]["@Message.ExtendedInfo"] == service["error"]["@Message.ExtendedInfo"]
+    assert upload["error"]["message"] == f"{service['error']['message']} No live Redfish session for this token."
+
+    # A refusal of the upload's own: a Base registry message, the reason after the registry's text (DSP0266 9.6).
+    token = bmc.login()
+    status, body = post_upload(bmc.port, token, b"MZ" + bytes(64 * 1024), name="setup.exe")
+    general = ("A general error has occurred.  See Resolution for information on how to resolve the error, or "
+               "@Message.ExtendedInfo if Resolution is not provided.")
+    why = f"setup.exe is not an ISO 9660 image (no CD001 at byte {HEAD - 5}): only CD and DVD images can be inserted."
+    assert status == 415
+    assert body == {"error": {"code": "Base.1.19.GeneralError", "message": f"{general} {why}",
+                              "@Message.ExtendedInfo": [{
+                                  "@odata.type": "#Message.v1_2_1.Message", "MessageId": "Base.1.19.GeneralError",
+                                  "Message": general, "MessageArgs": [], "MessageSeverity": "Critical",
+                                  "Resolution": "None."}]}}
 
 
 def test_an_upload_without_a_length_is_411(bmc: Bmc) -> None:
@@ -229,7 +252,7 @@ def test_an_upload_without_a_length_is_411(bmc: Bmc) -> None:
     response = conn.getresponse()
     assert response.status == 411
     message = json.loads(response.read())["error"]["message"]
-    assert message == "x.iso: the upload needs a Content-Length (the file's size)."
+    assert message.endswith(" x.iso: the upload needs a Content-Length (the file's size).")
     conn.close()
 
 
@@ -380,7 +403,8 @@ def test_a_300_mb_iso_streams_into_the_vm_with_the_agents_memory_bounded(
 
     # A medium in the slot: the same refusal as InsertMedia's.
     status, body = post_upload(agent.http_port, token, iso_head(64 * 1024))
-    assert status == 409 and body["error"]["message"] == "a medium is already inserted: eject it first"
+    assert status == 409 and body["error"]["code"] == "Base.1.19.ResourceInUse"
+    assert body["error"]["message"].endswith(" a medium is already inserted: eject it first")
     status, _ = agent.redfish("POST", f"{MEDIA}/Actions/VirtualMedia.EjectMedia", {})
     assert status == 204
     wait_for(lambda: datavolume_status(api, namespace) == 404, what="the uploaded medium's DataVolume gone")
@@ -396,7 +420,7 @@ def test_a_file_that_is_not_an_iso_is_415_and_leaves_no_datavolume(agent: AgentP
         fh.truncate(8 * MI)
     answer = stream_file(agent.http_port, token, disk, "disk.qcow2")
     assert isinstance(answer, tuple) and answer[0] == 415
-    assert answer[1]["error"]["message"].startswith("disk.qcow2 is not an ISO 9660 image")
+    assert "disk.qcow2 is not an ISO 9660 image" in answer[1]["error"]["message"]
     assert datavolume_status(api, namespace) == 404
     assert media(agent)["Inserted"] is False
 

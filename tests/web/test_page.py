@@ -413,6 +413,61 @@ def test_the_event_log_filters_searches_and_downloads(agent: AgentProcess, brows
     assert len(lines) == len(rows) + 1
 
 
+READS = "return performance.getEntriesByType('resource').map(e => new URL(e.name).pathname)"
+SESSIONS = "/redfish/v1/SessionService/Sessions"
+
+
+def reads(driver: Any) -> list[str]:
+    """The paths of every request the page has had answered, in the browser's own count (Resource Timing)."""
+    return [str(path) for path in driver.execute_script(READS)]
+
+
+CHANGED = "One or more resource properties have changed."
+
+
+def rows_saying(driver: Any, words: str) -> int:
+    return sum(row[3].startswith(words) for row in event_rows(driver))
+
+
+def test_the_log_is_one_read_per_log_and_only_power_events_read_the_sessions_again(agent: AgentProcess,
+                                                                                   browser: Any) -> None:
+    browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument",
+                            {"source": "performance.setResourceTimingBufferSize(100000);"})
+    assert agent.ipmitool("power", "on").returncode == 0  # entries in both logs
+    log_in(browser, agent.page)  # type: ignore[attr-defined]
+    until(browser, lambda d: {"SEL", "Audit"} <= {row[2] for row in event_rows(d)}, "the SEL's and the audit log's")
+    until(browser, lambda d: power_pill(d) == "Power: On", "the VM shown on: its power events are in")
+    # A LogEntryCollection's Members are whole entries: the collection is the one read, never an entry of it.
+    logs = [path for path in reads(browser) if "/LogServices/" in path and "/Entries" in path]
+    assert len(logs) == 2 and all(path.endswith("/Entries") for path in logs), logs
+
+    # Counted from just after the page's periodic read of the sessions (every 10 s): none of those falls in what
+    # follows. After events the page's refresh (SessionService last) has the delay a read of the sessions has: once
+    # it is in, that read would be too.
+    periodic = reads(browser).count(SESSIONS)
+    wait_for(lambda: reads(browser).count(SESSIONS) > periodic, timeout=15, what="the periodic read of the sessions")
+    sessions, service = reads(browser).count(SESSIONS), reads(browser).count("/redfish/v1/SessionService")
+    _, systems = agent.redfish("GET", "/redfish/v1/Systems")
+    system = systems["Members"][0]["@odata.id"]
+    changed = rows_saying(browser, CHANGED)
+    for target in ("Pxe", "Hdd", "Pxe", "Hdd", "Pxe"):  # five boot overrides: five property changes, no session's
+        status, answer = agent.redfish("PATCH", system, {"Boot": {"BootSourceOverrideTarget": target,
+                                                                  "BootSourceOverrideEnabled": "Continuous"}})
+        assert status in (200, 204), answer
+    until(browser, lambda d: rows_saying(d, CHANGED) >= changed + 5, "the five changes shown")
+    wait_for(lambda: reads(browser).count("/redfish/v1/SessionService") > service, what="the page's refresh")
+    assert reads(browser).count(SESSIONS) == sessions
+
+    # A power change may end a screen viewer's console: the sessions are read again, at most once per power event.
+    wait_for(lambda: reads(browser).count(SESSIONS) > sessions, timeout=15, what="the periodic read of the sessions")
+    sessions, powered = reads(browser).count(SESSIONS), rows_saying(browser, "The resource")
+    status, answer = agent.redfish("POST", f"{system}/Actions/ComputerSystem.Reset", {"ResetType": "ForceOff"})
+    assert status in (200, 202, 204), answer
+    until(browser, lambda d: power_pill(d) == "Power: Off", "the VM shown off")
+    wait_for(lambda: reads(browser).count(SESSIONS) > sessions, what="the sessions read after the power change")
+    assert reads(browser).count(SESSIONS) - sessions <= rows_saying(browser, "The resource") - powered
+
+
 def event_rows(driver: Any) -> list[list[str]]:
     return [list(row) for row in driver.execute_script(
         "return [...document.querySelectorAll('#events tbody tr')].map(r => [...r.cells].map(c => c.innerText))")]

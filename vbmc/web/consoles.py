@@ -48,6 +48,7 @@ from ..access.throttle import LoginThrottle
 from ..machine.console import SerialHub, SerialViewer, TooManyViewers
 from ..machine.rfb import RfbError
 from ..machine.screen import ScreenHub, ScreenViewer
+from ..redfish.errors import RedfishError, not_found
 from ..redfish.sessions import Session, SessionStore
 
 log = logging.getLogger("vbmc.web")
@@ -90,6 +91,14 @@ class Upgrade:
 class Refusal:
     status: int
     message: str
+
+    def error(self, path: str) -> RedfishError:
+        """The refusal as the Redfish service would answer the same condition (vbmc/redfish/accounts.py): 401 without a
+        session, 403 GeneralError over plain HTTP (and for another origin's page), 404 for a URI with nothing."""
+        if self.status == 404:
+            return not_found(path[:200])
+        key = "NoValidSession" if self.status == 401 else "GeneralError"
+        return RedfishError(self.status, key, detail=self.message)
 
 
 def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
@@ -200,30 +209,33 @@ class Consoles:
         action = f"open {decided.kind} console" if isinstance(decided, Upgrade) else "open console"
         actor = audit.Actor("web", source)
         if isinstance(decided, Refusal):
-            return await self._deny(send, decided, action, actor)
+            return await self._deny(send, decided.error(scope.get("path", "")), action, actor)
         wait = self.throttle.retry_after(source)
         if wait > 0:
             self.throttle.refused("web-console")
             seconds = max(1, math.ceil(wait))
-            return await self._deny(send, Refusal(429, "Too many failed logins from this address."), action, actor,
-                                    [(b"retry-after", str(seconds).encode())])
+            # As the Redfish service's lockout (Service.refuse_if_throttled).
+            return await self._deny(send, RedfishError(429, "ServiceTemporarilyUnavailable", seconds,
+                                                       detail="Too many failed logins from this address.",
+                                                       headers={"Retry-After": str(seconds)}), action, actor)
         session = self.store.authenticate(decided.token)
         if session is None:
-            return await self._deny(send, Refusal(401, "No live Redfish session for this token."), action, actor)
+            return await self._deny(send, Refusal(401, "No live Redfish session for this token.").error(""), action,
+                                    actor)
         actor = audit.Actor("web", source, session.username, session.id)
         if decided.kind == "screen" and self.screen is None:
             return await self._refuse_open(send, decided, actor, Ending(1003, "this machine has no screen"))
         await self._serve(decided, session, actor, send, receive)
 
-    async def _deny(self, send: Send, refusal: Refusal, action: str, actor: audit.Actor,
-                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        """Refuse the upgrade with an HTTP status (nothing opens)."""
-        audit.record(action, self.vm, f"denied: {refusal.message}", actor=actor, level=logging.WARNING)
-        body = json.dumps({"error": {"code": "Base.1.19.GeneralError", "message": refusal.message}}).encode()
+    async def _deny(self, send: Send, error: RedfishError, action: str, actor: audit.Actor) -> None:
+        """Refuse the upgrade with an HTTP status and the Redfish service's error body (nothing opens)."""
+        audit.record(action, self.vm, f"denied: {error.detail or error}", actor=actor, level=logging.WARNING)
+        body = json.dumps(error.body(), separators=(",", ":")).encode()
         await self._within(CLOSE_DEADLINE, send, {
-            "type": "websocket.http.response.start", "status": refusal.status,
+            "type": "websocket.http.response.start", "status": error.status,
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                        *(headers or [])]}, {"type": "websocket.http.response.body", "body": body, "more_body": False})
+                        *((k.lower().encode(), v.encode()) for k, v in error.headers.items())]},
+            {"type": "websocket.http.response.body", "body": body, "more_body": False})
 
     async def _refuse_open(self, send: Send, decided: Upgrade, actor: audit.Actor, ending: Ending) -> None:
         """Refuse an authenticated viewer in words a browser shows: open, say why, close."""

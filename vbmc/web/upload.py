@@ -10,7 +10,8 @@ upload (vbmc/machine/kubevirt: CDI's upload proxy, into a DataVolume made as Ins
 memory holds about two chunks whatever the file's size. Before anything is created, the first bytes must be an ISO
 9660 image ("CD001" at byte 32769, the volume descriptor of sector 16; UDF bridge and El Torito images have it too).
 
-Answers, each with a Redfish error body whose `error.message` says why (the page shows it):
+Answers, each refusal with the Redfish error body the Redfish service gives for the same condition (vbmc/redfish/
+errors.py: a Base registry MessageId; `error.message` is the registry's text and why, which the page shows):
 - 201 `{"Image": "upload:<file name>", "Inserted": true}` once the medium is in the VM (the file name percent-encoded
   in Image, as in a URI); Redfish's VirtualMedia then shows it (ConnectedVia Applet, TransferMethod Upload).
 - 400 no `name`; 401 no session (or not a live one); 403 not over HTTPS when the BMC requires it, or a page of
@@ -49,7 +50,7 @@ from ..machine import (
     MediaUpload,
     Unsupported,
 )
-from ..redfish.errors import REGISTRY, message
+from ..redfish.errors import RedfishError
 from ..redfish.sessions import SessionStore
 from .consoles import same_origin
 
@@ -75,15 +76,17 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 @dataclass(frozen=True)
 class Refusal:
     status: int
-    text: str  # error.message: what the page shows
+    text: str  # why: the detail after the registry's text in error.message, and the audit line's
     key: str = "GeneralError"  # the Base registry MessageId's key
-    args: tuple[str, ...] = ()
+    args: tuple[object, ...] = ()
     headers: tuple[tuple[bytes, bytes], ...] = ()
 
+    def error(self) -> RedfishError:
+        return RedfishError(self.status, self.key, *self.args, detail=self.text)
+
     def body(self) -> bytes:
-        info = message(self.key, *self.args)
-        return json.dumps({"error": {"code": f"{REGISTRY}.{self.key}", "message": self.text,
-                                     "@Message.ExtendedInfo": [info]}}).encode()
+        """The answer's body, as the Redfish service renders a RedfishError (vbmc/redfish/app.py)."""
+        return json.dumps(self.error().body(), separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ def caller(path: str, scheme: str, headers: Iterable[tuple[bytes, bytes]], requi
         return Refusal(403, "This BMC accepts credentials over HTTPS only (spec.redfish.requireTLS): upload over "
                             "https://.")
     if not same_origin(_header(headers, b"origin"), scheme, _header(headers, b"host")):
-        return Refusal(403, "The page that sent this upload is not this BMC's (Origin).", "InsufficientPrivilege")
+        return Refusal(403, "The page that sent this upload is not this BMC's (Origin).")
     token = _header(headers, b"x-auth-token") or ""
     if not token:
         return Refusal(401, "No Redfish session: send the session's token as X-Auth-Token.", "NoValidSession")
@@ -144,7 +147,8 @@ def upload_of(query: bytes, headers: Iterable[tuple[bytes, bytes]], max_size: in
                        "QueryParameterValueFormatError", (name[:MAX_NAME], "name"))
     media_type = (_header(headers, b"content-type") or "").split(";", 1)[0].strip().lower()
     if media_type not in FILE_TYPES:
-        return Refusal(415, f"{name}: send the file's bytes as application/octet-stream, not {media_type}.")
+        return Refusal(415, f"{name}: send the file's bytes as application/octet-stream, not {media_type}.",
+                       "HeaderInvalid", (f"Content-Type: {media_type}",))
     length = _header(headers, b"content-length")
     if length is None or (_header(headers, b"transfer-encoding") or "").lower() not in ("", "identity"):
         return Refusal(411, f"{name}: the upload needs a Content-Length (the file's size).")
@@ -196,9 +200,12 @@ class MediaUploads:
         wait = self.throttle.retry_after(source)
         if wait > 0:
             self.throttle.refused("web-upload")
-            seconds = str(max(1, math.ceil(wait))).encode()
+            seconds = max(1, math.ceil(wait))
+            # As the Redfish service's lockout (Service.refuse_if_throttled).
             return await self._refuse(send, receive, Refusal(429, "Too many failed logins from this address.",
-                                                             headers=((b"retry-after", seconds),)), action, actor)
+                                                             "ServiceTemporarilyUnavailable", (seconds,),
+                                                             ((b"retry-after", str(seconds).encode()),)),
+                                      action, actor)
         session = self.store.authenticate(decided.token)
         if session is None:
             return await self._refuse(send, receive, Refusal(401, "No live Redfish session for this token.",
@@ -349,6 +356,6 @@ def refusal_for(exc: MachineError, name: str) -> Refusal:
     if isinstance(exc, InvalidRequest):
         return Refusal(409, text, "ResourceInUse")
     if isinstance(exc, BackendUnavailable):
-        return Refusal(503, text, "ServiceTemporarilyUnavailable", (str(exc.retry_after),),
+        return Refusal(503, text, "ServiceTemporarilyUnavailable", (exc.retry_after,),
                        ((b"retry-after", str(exc.retry_after).encode()),))
     return Refusal(502, f"The upload of {name} into the cluster failed: {text}")

@@ -35,6 +35,12 @@ const CONFIRM = {
 const REFRESH_EVERY = 10000; // ms: a read besides the events'
 const MAX_EVENTS = 2000; // kept in the page; the BMC's logs keep their own
 const SHOWN_EVENTS = 500;
+const SOON = 150; // ms: a burst of events is one read, this long after its last event
+// The events after which the sessions view may be out of date: the machine's power changed, and a screen viewer's
+// console can end with it (vbmc/machine/screen.py). Logins and consoles opened elsewhere send no event: the
+// REFRESH_EVERY read shows them.
+const SESSION_EVENTS = new Set(["ResourcePoweredOn", "ResourcePoweredOff", "ResourcePoweringOn",
+  "ResourcePoweringOff", "ResourcePaused"]);
 
 const redfish = new Redfish();
 let view = null; // what the current session shows and runs; null when nobody is logged in
@@ -116,8 +122,8 @@ async function enter() {
   $("bar").append(parts.querySelector("#summary"));
   $("main").append(parts.querySelector("#idle-warning"), parts.querySelector("#bmc"));
   $("login-section").hidden = true;
-  view = { system: null, streaming: null, timers: [], refreshSoon: null, events: [], uploads: new Set(),
-    serial: null, screen: null, idle: { timeout: 0, last: Date.now() } };
+  view = { system: null, streaming: null, timers: [], refreshSoon: null, sessionsSoon: null, events: [],
+    uploads: new Set(), serial: null, screen: null, idle: { timeout: 0, last: Date.now() } };
   bindSession();
   await refresh();
   if (!view) {
@@ -157,6 +163,7 @@ async function leave(why) {
     clearInterval(timer);
   }
   clearTimeout(ending.refreshSoon);
+  clearTimeout(ending.sessionsSoon);
   if (ending.streaming) {
     ending.streaming.abort();
   }
@@ -227,7 +234,7 @@ function scheduleRefresh() {
     return;
   }
   clearTimeout(view.refreshSoon);
-  view.refreshSoon = setTimeout(refresh, 150);
+  view.refreshSoon = setTimeout(refresh, SOON);
 }
 
 async function refresh() {
@@ -595,6 +602,14 @@ async function showBmc() {
 
 // ---- sessions: who is logged in, on which console
 
+function scheduleSessions() {
+  if (!view) {
+    return;
+  }
+  clearTimeout(view.sessionsSoon);
+  view.sessionsSoon = setTimeout(showSessions, SOON);
+}
+
 async function showSessions() {
   const current = view;
   if (!current) {
@@ -701,14 +716,17 @@ async function follow() {
         if (view !== current) {
           return;
         }
-        for (const record of event.Events || []) {
+        const records = event.Events || [];
+        for (const record of records) {
           const origin = record.OriginOfCondition && record.OriginOfCondition["@odata.id"];
           addEvent(record.EventTimestamp, record.MessageSeverity || record.Severity, "Events", record.Message,
             origin);
         }
         showEvents();
         scheduleRefresh();
-        showSessions();
+        if (records.some((r) => SESSION_EVENTS.has(String(r.MessageId || "").split(".").pop()))) {
+          scheduleSessions();
+        }
       }, controller.signal);
     } catch (e) {
       if (view !== current || current.streaming !== controller) {
@@ -728,7 +746,8 @@ async function loadLog() {
     const manager = await redfish.get(managers.Members[0]["@odata.id"]);
     const services = [...await members(current.system.LogServices), ...await members(manager.LogServices)];
     for (const service of services) {
-      const entries = await members(service.Entries);
+      // A LogEntryCollection's Members are whole entries (vbmc/redfish/logs.py): one read per log.
+      const entries = service.Entries ? (await redfish.get(service.Entries["@odata.id"])).Members || [] : [];
       if (view !== current) {
         return;
       }

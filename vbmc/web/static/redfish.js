@@ -3,11 +3,12 @@
 // a cookie or a URL (a reload logs out).
 
 // The BMC's own words for a refusal: error.message (the registry's text and the BMC's detail, e.g. "a medium is
-// already inserted: eject it first"); the ExtendedInfo messages only when error.message points at them.
+// already inserted: eject it first"); the ExtendedInfo messages when there are several (error.message then only
+// points at them). GeneralError's own text names @Message.ExtendedInfo too: with one message, error.message it is.
 export function errorText(status, body) {
   const info = body && body.error;
   const extended = (info && info["@Message.ExtendedInfo"]) || [];
-  if (info && info.message && !info.message.includes("@Message.ExtendedInfo")) {
+  if (info && info.message && extended.length <= 1) {
     return info.message;
   }
   return extended.map((m) => m.Message).join(" ") || (info && info.message) || `HTTP ${status}`;
