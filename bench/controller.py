@@ -8,7 +8,8 @@ state; 10,000 Ready within 300 s and RSS under 600 MB, issue 29), printed next t
 Writes are counted by kubesim's global resourceVersion, which moves once per write of anybody: it counts every
 write in the cluster. Leader election renews its Lease every 2 s by design; the steady-state window is measured
 with leader election off, and the controller's own counter (kubevbmc_controller_api_writes_total) is shown too.
-kubesim keeps its threads on one CPU (its --cpu, here --sim-cpu): `--sim-cpu all` shows the difference.
+kubesim keeps its threads on one CPU (its --cpu, here --sim-cpu) and the controller and this benchmark keep off it
+(on a cluster they are other pods, on other nodes): `--sim-cpu all` leaves every process on every CPU.
 Day 2: the controller is then restarted over the converged cluster, and kubesim then closes every watch after a
 compaction (SIGUSR1: resuming gets 410 Gone, every informer lists again); the writes and Events in the window
 after each are printed next to the steady figure (the target: none). Memory is the controller's peak RSS (the
@@ -221,11 +222,22 @@ def quiet_window(api: KubeClient, act: Callable[[], str], seconds: float, bmcs: 
     return cluster_rv(api) - rv0, controller_writes(metrics_url), event_count(api), settled
 
 
-def start_controller(sim: Sim, workdir: Path) -> tuple[subprocess.Popen[str], str]:
+def other_cpus(sim_cpu: str) -> set[int] | None:
+    """The CPUs kubesim does not run on (its --cpu), for the controller and this benchmark: on a cluster the API
+    server and the controller are different pods, usually on different nodes, and never share a core's turns.
+    None: kubesim is not pinned (all), or this machine has one CPU."""
+    allowed = set(os.sched_getaffinity(0))
+    if sim_cpu == "all" or len(allowed) < 2:
+        return None
+    return allowed - {max(allowed) if sim_cpu == "auto" else int(sim_cpu)}
+
+
+def start_controller(sim: Sim, workdir: Path, cpus: set[int] | None = None) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "vbmc", "controller", "--kubeconfig", sim.kubeconfig, "--agent-image", "kubevbmc:dev",
          "--metrics-address", "127.0.0.1:0", "--leader-elect", "false", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=open(workdir / "controller.log", "w"), text=True, cwd=REPO)  # noqa: SIM115
+        stdout=subprocess.PIPE, stderr=open(workdir / "controller.log", "w"), text=True, cwd=REPO,  # noqa: SIM115
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     assert proc.stdout is not None
     line = proc.stdout.readline()
     match = re.search(r"metrics: (\S+)", line)
@@ -255,6 +267,9 @@ def main() -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-controller-"))
     sim = start_sim(workdir / "sim", "--kubelet", "fake", "--cpu", args.sim_cpu)
+    cpus = other_cpus(args.sim_cpu)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # this benchmark's clients too (threads started from now on inherit it)
     controller: subprocess.Popen[Any] | None = None
     try:
         api = KubeClient(load_credentials(sim.kubeconfig), timeout=30, maxsize=args.clients)
@@ -265,7 +280,7 @@ def main() -> int:
         began = time.monotonic()
         create_many(api, args.bmcs, args.clients)
         print(f"created {args.bmcs} VMs and Secrets in {time.monotonic() - began:.1f} s")
-        controller, metrics_url = start_controller(sim, workdir)
+        controller, metrics_url = start_controller(sim, workdir, cpus)
         watch = ReadyWatch(api, timeout)
         cpu0 = {"kubesim": cpu_seconds(sim.process.pid), "controller": cpu_seconds(controller.pid),
                 "this benchmark": time.process_time()}
@@ -292,7 +307,7 @@ def main() -> int:
         # (kubesim's SIGUSR1: every watch ends, resuming gets 410 Gone, every informer lists again).
         def restart() -> str:
             nonlocal controller, metrics_url
-            controller, metrics_url = start_controller(sim, workdir)
+            controller, metrics_url = start_controller(sim, workdir, cpus)
             return metrics_url
 
         def relist() -> str:

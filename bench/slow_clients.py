@@ -4,8 +4,9 @@ Two servers, each serving the same Flask app over a MemoryMachine on an HTTP and
 - kubevbmc: `kubevbmc agent --backend memory` (hypercorn's event loop, two worker threads for whole requests);
 - gunicorn gthread: the agent's former model (one worker, two threads), one instance per port, as a peer.
 
-For each server and each scenario, an attacker process holds connections open and a normal client then measures
-GETs of the System (keep-alive, plain and TLS) and of /healthz for a few seconds each, with a 2 s timeout:
+For each server and each scenario, an attacker process (from 127.0.0.2) holds connections open and a normal client
+(from 127.0.0.1) then measures GETs of the System (keep-alive, plain and TLS) and of /healthz for a few seconds
+each, with a 2 s timeout:
 - none:      no attacker;
 - stalled:   N plain connections that sent `GET /redfish/v1 HTTP/1.1\\r\\n` and N on the HTTPS port that sent the
              five bytes of a TLS record header (16 03 01 02 00), then wait;
@@ -134,6 +135,9 @@ def wait_serving(server: Server, timeout: float = 30) -> None:
 # ---- the attacker (a separate process, so that its work does not slow the measuring client)
 
 
+ATTACKER = "127.0.0.2"  # the attacker's address: not the measured client's (a server may cap what one address holds)
+
+
 async def _hold(port: int, first: bytes, tls: bool, stop: float, closed: list[int], opened: list[int]) -> None:
     context = ssl.create_default_context()
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
@@ -141,9 +145,10 @@ async def _hold(port: int, first: bytes, tls: bool, stop: float, closed: list[in
         try:
             if tls and first == b"trickle":
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", port, ssl=context), 10)
+                    asyncio.open_connection("127.0.0.1", port, ssl=context, local_addr=(ATTACKER, 0)), 10)
             else:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", port, local_addr=(ATTACKER, 0)), 10)
         except (OSError, TimeoutError):
             await asyncio.sleep(0.5)
             continue

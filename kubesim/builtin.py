@@ -286,7 +286,7 @@ def builtin_types() -> list[ResourceType]:
                      field_labels=_POD_FIELDS),
         ResourceType("", "v1", "Service", "services", "service", short_names=("svc",), categories=("all",),
                      status_subresource=True, defaulter=_default_service, validator=_validate_service,
-                     label_names=True),
+                     label_names=True, delete_returns_object=True),  # ReturnDeletedObject (service storage.go)
         ResourceType("", "v1", "Secret", "secrets", "secret", defaulter=_default_secret,
                      validator=_validate_secret, field_labels=frozenset({"type"})),
         ResourceType("", "v1", "ConfigMap", "configmaps", "configmap", short_names=("cm",)),
@@ -299,7 +299,7 @@ def builtin_types() -> list[ResourceType]:
         ResourceType("", "v1", "Endpoints", "endpoints", "endpoints", short_names=("ep",)),
         ResourceType("apps", "v1", "Deployment", "deployments", "deployment", short_names=("deploy",),
                      categories=("all",), status_subresource=True, has_generation=True,
-                     defaulter=_default_deployment, validator=_validate_deployment),
+                     defaulter=_default_deployment, validator=_validate_deployment, status_writes_metadata=True),
         ResourceType("apps", "v1", "ReplicaSet", "replicasets", "replicaset", short_names=("rs",),
                      categories=("all",), status_subresource=True, has_generation=True,
                      defaulter=_default_replicaset, field_labels=frozenset({"status.replicas"})),

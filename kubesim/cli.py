@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default="", metavar="DIR",
                         help="the node's volume files, NVRAM and QEMU sockets (default: a temporary directory "
                              "removed when kubesim stops)")
+    parser.add_argument("--proxy-listeners", type=int, default=0, metavar="N",
+                        help="Service listeners kubesim keeps itself, and each proxy shard process, before the next "
+                             "Services go to a new shard (default: a quarter of the limit of descriptors, half of "
+                             "it for a shard)")
     parser.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -98,6 +102,7 @@ def config_from(args: Any) -> SimConfig:
                      accelerator=args.accelerator, guest_memory_mib=args.guest_memory, guest_cpus=args.guest_cpus,
                      netboot_dir=args.netboot_dir, state_dir=args.state_dir,
                      container_disk_dir=args.container_disk_dir or default_container_disk_dir(),
+                     proxy_listeners=max(0, args.proxy_listeners),
                      local_entrypoint=[sys.executable, "-m", "vbmc"])
 
 

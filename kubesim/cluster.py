@@ -85,6 +85,9 @@ class SimConfig:
     # images are found as files (kubesim/volumes.py). Empty: the test guests' cache (scripts/build-guests.sh).
     netboot_dir: str = ""
     container_disk_dir: str = ""
+    # Service listeners kept per process before the next Services go to a proxy shard process (0: a quarter of
+    # kubesim's limit of descriptors, half of a shard's; network.ProxyController).
+    proxy_listeners: int = 0
 
 
 class TokenTable(dict[str, str]):

@@ -542,8 +542,9 @@ _MAX_BUFFER = 1 << 20  # stop reading a side while its peer has this much unsent
 class Proxy:
     """A kube-proxy in userspace: one selector thread for every listener, UDP flow and TCP connection."""
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    def __init__(self, store: Store | None) -> None:
+        self.store = store  # None: a shard process, whose backends the parent sends (`set_table`)
+        self._table: dict[Frontend, list[tuple[str, int]]] = {}
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -562,6 +563,15 @@ class Proxy:
     def set_routes(self, owner: tuple[str, str], routes: dict[Frontend, Route]) -> None:
         """The frontends of one Service; the ones it no longer has are closed."""
         self._call(lambda: self._apply(owner, routes))
+
+    def set_table(self, owner: tuple[str, str], table: dict[Frontend, tuple[Route, list[tuple[str, int]]]]) -> None:
+        """A shard's Service: its frontends and the backends of each (what `_choices` reads from the store)."""
+        def apply() -> None:
+            for frontend in self._by_service.get(owner, set()) - set(table):
+                self._table.pop(frontend, None)
+            self._table.update((frontend, backends) for frontend, (_, backends) in table.items())
+            self._apply(owner, {frontend: route for frontend, (route, _) in table.items()})
+        self._call(apply)
 
     def start(self) -> None:
         _raise_fd_limit()
@@ -681,15 +691,9 @@ class Proxy:
         entry = self._listeners.get(frontend)
         if entry is None:
             return []
-        route = entry[1]
-        ep = self.store.find(self.store.type("/endpoints"), route.namespace, route.service)
-        choices: list[tuple[str, int]] = []
-        for subset in (ep or {}).get("subsets") or []:
-            port = next((p["port"] for p in subset.get("ports") or []
-                         if p.get("name", "") == route.port_name and p.get("protocol", "TCP") == frontend[2]), None)
-            if port is not None:
-                choices.extend((a["ip"], port) for a in subset.get("addresses") or [])
-        return choices
+        if self.store is None:
+            return self._table.get(frontend, [])
+        return backends(self.store, entry[1], frontend[2])
 
     # UDP
 
@@ -872,6 +876,57 @@ class Proxy:
         return list(self._listeners)
 
 
+def backends(store: Store, route: Route, protocol: str) -> list[tuple[str, int]]:
+    """The ready endpoints of a Service port: (Pod IP, target port) for each."""
+    ep = store.find(store.type("/endpoints"), route.namespace, route.service)
+    choices: list[tuple[str, int]] = []
+    for subset in (ep or {}).get("subsets") or []:
+        port = next((p["port"] for p in subset.get("ports") or []
+                     if p.get("name", "") == route.port_name and p.get("protocol", "TCP") == protocol), None)
+        if port is not None:
+            choices.extend((a["ip"], port) for a in subset.get("addresses") or [])
+    return choices
+
+
+class Shard:
+    """A kube-proxy in a process of its own (`python -m kubesim.proxyshard`), for the Services that would take
+    kubesim past its limit of descriptors: every listener is a descriptor, three per agent Service, and a process
+    may hold 20,000 here. The parent sends each of its Services as a JSON line (frontends, routes, backends) and
+    again when its Endpoints change; the shard exits when its input closes (kubesim stopped or died)."""
+
+    def __init__(self, index: int) -> None:
+        import subprocess
+        import sys
+        self.index = index
+        self.listeners = 0
+        self._lock = threading.Lock()
+        self._proc = subprocess.Popen([sys.executable, "-m", "kubesim.proxyshard", str(index)],
+                                      stdin=subprocess.PIPE, text=True, close_fds=True)
+
+    def set_table(self, owner: tuple[str, str], table: dict[Frontend, tuple[Route, list[tuple[str, int]]]]) -> None:
+        line = json.dumps({"owner": list(owner), "frontends": [
+            [*frontend, [route.namespace, route.service, route.port_name], [list(b) for b in found]]
+            for frontend, (route, found) in table.items()]})
+        with self._lock:
+            assert self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(line + "\n")
+                self._proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                log.error("proxy shard %d is gone (exit status %s): its Services are not served", self.index,
+                          self._proc.poll())
+
+    def stop(self) -> None:
+        with self._lock, contextlib.suppress(OSError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=5)
+        except Exception:
+            self._proc.kill()
+            self._proc.wait()
+
+
 def _raise_fd_limit() -> None:
     """Thousands of Services mean thousands of listening sockets: use the whole hard limit of descriptors."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -907,27 +962,40 @@ class ProxyController(ControlLoop):
     has its IP, so the listener is there before the pod is Ready and a client that waited for readiness finds
     it) until the Service goes. Until then a connection is refused, as kube-proxy rejects one to a Service
     without endpoints. Pods of the fake kubelet run nothing, so their addresses do not count (a kwok cluster has
-    no data path either): 10,000 Services of fake pods, as bench/controller.py makes, cost no descriptor, where
-    three listeners each would pass the process's limit of descriptors (20,000 here) at about 6,600 Services.
-    Endpoints written by hand (no pod behind them) count as any other."""
+    no data path either). Endpoints written by hand (no pod behind them) count as any other.
+
+    Every listener is a descriptor, and a process may hold 20,000 here: an agent's Service has three frontends,
+    so 10,000 of them need 30,000. kubesim keeps `listeners` of them itself (a quarter of its limit: its API
+    connections, watches and files need the rest) and gives the next Services to shard processes
+    (`proxyshard.py`, `listeners` each, half a shard's limit: its proxied connections need the rest). A Service
+    stays where it was first placed."""
 
     name = "kube-proxy"
     kinds = ("/services", "/endpoints")
 
-    def __init__(self, store: Store, node_host: str, fake_pods: bool = False) -> None:
+    def __init__(self, store: Store, node_host: str, fake_pods: bool = False, listeners: int = 0) -> None:
         super().__init__(store)
         self.proxy = Proxy(store)
         self.node_host = node_host
         self.fake_pods = fake_pods
+        self.listeners = listeners  # per process; 0: from the limit of descriptors when started
+        self.shards: list[Shard] = []
         self._listened: set[Hashable] = set()  # Services whose frontends are bound (one worker: no lock)
+        self._placed: dict[Hashable, tuple[Proxy | Shard, int]] = {}  # Service -> (where, its listeners)
+        self._in_process = 0
 
     def start(self) -> None:
-        self.proxy.start()
+        self.proxy.start()  # raises this process's soft limit of descriptors to the hard one
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self._own_budget = self.listeners or max(64, soft // 4)
+        self._shard_budget = self.listeners or max(64, min(hard, 1 << 20) // 2)
         super().start()
 
     def stop(self) -> None:
         super().stop()
         self.proxy.stop()
+        for shard in self.shards:
+            shard.stop()
 
     def sync(self, key: Hashable) -> float | None:
         assert isinstance(key, tuple)
@@ -935,14 +1003,40 @@ class ProxyController(ControlLoop):
         if svc is None:
             if key in self._listened:
                 self._listened.discard(key)
-                self.proxy.set_routes(key, {})
+                self._send(key, {})
             return None
         if key not in self._listened:
             if not self._has_backend(key[0], key[1]):
                 return None
             self._listened.add(key)
-        self.proxy.set_routes(key, service_frontends(svc, self.node_host))
+        self._send(key, service_frontends(svc, self.node_host))
         return None
+
+    def _send(self, key: tuple[str, str], routes: dict[Frontend, Route]) -> None:
+        where, held = self._placed.get(key) or (self._place(len(routes)), 0)
+        if isinstance(where, Shard):
+            where.set_table(key, {frontend: (route, backends(self.store, route, frontend[2]))
+                                  for frontend, route in routes.items()})
+            where.listeners += len(routes) - held
+        else:
+            where.set_routes(key, routes)
+            self._in_process += len(routes) - held
+        if routes:
+            self._placed[key] = (where, len(routes))
+        else:
+            self._placed.pop(key, None)
+
+    def _place(self, count: int) -> Proxy | Shard:
+        if self._in_process + count <= self._own_budget:
+            return self.proxy
+        for shard in self.shards:
+            if shard.listeners + count <= self._shard_budget:
+                return shard
+        shard = Shard(len(self.shards) + 1)
+        self.shards.append(shard)
+        log.info("kube-proxy: %d listeners in kubesim, a proxy shard process (%d) takes the next Services",
+                 self._in_process, shard.index)
+        return shard
 
     def _has_backend(self, namespace: str, name: str) -> bool:
         """Whether the Service's Endpoints name an address that something may answer on."""
@@ -962,4 +1056,5 @@ def install(cluster: Any) -> None:
     cluster.store.add_listener(admission.release)
     cluster.add_component(EndpointsController(cluster.store))
     cluster.add_component(ProxyController(cluster.store, cluster.config.node_port_host,
-                                          fake_pods=cluster.config.kubelet_mode == "fake"))
+                                          fake_pods=cluster.config.kubelet_mode == "fake",
+                                          listeners=cluster.config.proxy_listeners))

@@ -48,6 +48,10 @@ class ResourceType:
     # Deletion also waits for `spec.finalizers` (namespaces).
     spec_finalizers: bool = False
     crd: bool = False
+    # What a write through /status may change in metadata besides managedFields: nothing for most kinds; all but
+    # the labels for Deployments (their status strategy resets only spec and labels), which is how the deployment
+    # controller sets its revision annotation in the same UpdateStatus as its Progressing condition.
+    status_writes_metadata: bool = False
 
     @property
     def key(self) -> str:

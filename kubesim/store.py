@@ -489,7 +489,12 @@ class Store:
                 if key not in old:
                     new.pop(key)
                 elif key == "metadata":
-                    if new.get(key) != old[key]:
+                    if rtype.status_writes_metadata and isinstance(new.get(key), dict):
+                        labels = old[key].get("labels")
+                        new[key].pop("labels", None)
+                        if labels is not None:
+                            new[key]["labels"] = labels
+                    elif new.get(key) != old[key]:
                         new[key] = clone(old[key])
                 else:
                     new[key] = old[key]

@@ -532,15 +532,22 @@ class DeploymentController(ControlLoop):
         self._set_deployment_revision(d, wanted)
         return new_rs
 
-    def _set_deployment_revision(self, d: Obj, revision: int) -> None:
-        if (d["metadata"].get("annotations") or {}).get(REVISION) == str(revision):
+    def _set_deployment_revision(self, d: Obj, revision: int, progressing: tuple[str, str] | None = None) -> None:
+        """The revision annotation, and a Progressing condition (reason, message) when given, in one write through
+        /status, as getNewReplicaSet's single UpdateStatus (a Deployment's status strategy keeps metadata)."""
+        if (d["metadata"].get("annotations") or {}).get(REVISION) == str(revision) and progressing is None:
             return
 
         def change(obj: Obj) -> None:
-            obj["metadata"].setdefault("annotations", {})[REVISION] = str(revision)
+            # Only status is the mutation's own copy: the annotations are replaced, never edited in place.
+            obj["metadata"]["annotations"] = {**(obj["metadata"].get("annotations") or {}), REVISION: str(revision)}
+            if progressing is not None:
+                status = obj.setdefault("status", {})
+                status["conditions"] = set_condition(status.get("conditions") or [], "Progressing", "True",
+                                                     progressing[0], progressing[1], lastUpdateTime=now())
 
         self.store.mutate(self.store.type("apps/deployments"), d["metadata"].get("namespace", ""),
-                          d["metadata"]["name"], change, manager="deployment-controller", only="metadata")
+                          d["metadata"]["name"], change, subresource="status", manager="deployment-controller")
 
     def _create_new(self, d: Obj, old_rss: list[Obj], replicas: int) -> Obj | None:
         store = self.store
@@ -564,18 +571,9 @@ class DeploymentController(ControlLoop):
                          lambda o: o.setdefault("status", {}).update(collisionCount=collisions + 1),
                          subresource="status", manager="deployment-controller")
             return None
-        self._set_deployment_revision(d, revision)
-        self._progressing(d, "NewReplicaSetCreated", f'Created new replica set "{created["metadata"]["name"]}"')
+        self._set_deployment_revision(d, revision, ("NewReplicaSetCreated",
+                                                    f'Created new replica set "{created["metadata"]["name"]}"'))
         return created
-
-    def _progressing(self, d: Obj, reason: str, message: str) -> None:
-        def change(obj: Obj) -> None:
-            status = obj.setdefault("status", {})
-            status["conditions"] = set_condition(status.get("conditions") or [], "Progressing", "True", reason,
-                                                 message, lastUpdateTime=now())
-
-        self.store.mutate(self.store.type("apps/deployments"), d["metadata"].get("namespace", ""),
-                          d["metadata"]["name"], change, subresource="status", manager="deployment-controller")
 
     def _scaling_event(self, d: Obj, new_rs: Obj | None, old_rss: list[Obj]) -> bool:
         """isScalingEvent: an active ReplicaSet was sized for a different `spec.replicas`."""

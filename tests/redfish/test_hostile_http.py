@@ -355,6 +355,31 @@ def test_connections_past_the_cap_are_closed_at_once_and_slots_come_back() -> No
         assert answer == b"echo:"
 
 
+def test_one_address_holds_half_of_the_connections_and_the_others_are_served() -> None:
+    """A port scan or a stuck tool that opens connections and sends nothing keeps each for the header timeout:
+    one address gets 16 of 32 here (half), and a client at another address is served meanwhile."""
+    config = ServerConfig(http="127.0.0.1:0", header_timeout=10, limits=Limits(connections=32))
+    with BackgroundServer(Blocking(), config) as server, ExitStack() as stack:
+        port = server.ports[0]
+        held = stalled(port, b"", 16, stack)
+        extra = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=GENEROUS))
+        assert wait_for(lambda: closed_by_server(extra), timeout=GENEROUS, what="the 17th from one address closed")
+        assert not any(closed_by_server(conn) for conn in held)
+        other = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=GENEROUS,
+                                                             source_address=("127.0.0.3", 0)))
+        other.sendall(b"GET /echo HTTP/1.1\r\nHost: bmc\r\nConnection: close\r\n\r\n")
+        other.settimeout(GENEROUS)
+        answer = b""
+        while chunk := other.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"echo:")
+        # A slot given back is that address's again.
+        held[0].close()
+        again = wait_for(lambda: _get_or_none(f"http://127.0.0.1:{port}/echo"), timeout=GENEROUS,
+                         what="the first address's slot to come back")
+        assert again == b"echo:"
+
+
 def _get_or_none(url: str) -> bytes | None:
     try:
         return requests.get(url, timeout=1).content

@@ -160,6 +160,38 @@ def test_deployment_status_reports_replicas_and_conditions(apps: client.AppsV1Ap
     assert d.metadata.annotations["deployment.kubernetes.io/revision"] == "1"
 
 
+def test_a_new_deployments_revision_and_progressing_come_in_one_status_write(apps: client.AppsV1Api,
+                                                                               namespace: str) -> None:
+    """getNewReplicaSet sets the revision annotation and Progressing NewReplicaSetCreated in one UpdateStatus:
+    the Deployment's first change after its creation carries both (a separate metadata write is one too many)."""
+    rv = apps.list_namespaced_deployment(namespace).metadata.resource_version
+    apps.create_namespaced_deployment(namespace, deployment("web", [echo_container()]))
+    events = watch.Watch().stream(apps.list_namespaced_deployment, namespace, resource_version=rv,
+                                  timeout_seconds=20)
+    kinds = []
+    for event in events:
+        kinds.append(event["type"])
+        if event["type"] == "MODIFIED":
+            d = event["object"]
+            break
+    assert kinds == ["ADDED", "MODIFIED"]
+    assert (d.metadata.annotations or {}).get("deployment.kubernetes.io/revision") == "1"
+    assert [(c.type, c.reason) for c in d.status.conditions or []] == [("Progressing", "NewReplicaSetCreated")]
+
+
+def test_a_deployments_status_write_keeps_its_metadata_but_not_its_labels_or_spec(apps: client.AppsV1Api,
+                                                                                    namespace: str) -> None:
+    """deploymentStatusStrategy.PrepareForUpdate resets spec and labels only (pkg/registry/apps/deployment)."""
+    apps.create_namespaced_deployment(namespace, deployment("web", [echo_container()], replicas=0))
+    d = apps.read_namespaced_deployment("web", namespace)
+    d.metadata.annotations = {**(d.metadata.annotations or {}), "example.com/note": "set through status"}
+    d.metadata.labels = {"example.com/label": "dropped"}
+    d.spec.replicas = 3
+    stored = apps.replace_namespaced_deployment_status("web", namespace, d)
+    assert stored.metadata.annotations["example.com/note"] == "set through status"
+    assert not stored.metadata.labels and stored.spec.replicas == 0
+
+
 def test_rolling_update_moves_every_pod_to_a_new_replicaset(core: client.CoreV1Api, apps: client.AppsV1Api,
                                                              namespace: str) -> None:
     apps.create_namespaced_deployment(namespace, deployment("web", [echo_container()], replicas=2))
@@ -449,6 +481,13 @@ def test_service_gets_a_cluster_ip_and_type_cluster_ip_by_default(sim: Sim, core
     assert in_cidr(svc.spec.cluster_ip, sim.service_cidr)
     assert svc.spec.cluster_ips == [svc.spec.cluster_ip]
     assert all(p.node_port is None for p in svc.spec.ports)
+
+
+def test_deleting_a_service_answers_the_service(core: client.CoreV1Api, namespace: str) -> None:
+    """The service storage sets ReturnDeletedObject: the official client decodes a V1Service, not a Status."""
+    core.create_namespaced_service(namespace, {"metadata": {"name": "gone"}, "spec": {"ports": [{"port": 80}]}})
+    deleted = core.delete_namespaced_service("gone", namespace)
+    assert (deleted.kind, deleted.metadata.name, deleted.spec.ports[0].port) == ("Service", "gone", 80)
 
 
 def test_requested_cluster_ip_outside_the_range_is_invalid(core: client.CoreV1Api, namespace: str) -> None:

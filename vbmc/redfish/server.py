@@ -626,30 +626,42 @@ def hypercorn_config(config: ServerConfig) -> Any:
 
 
 class _Slots:
-    """Open connections against a cap, shared by the listeners. Taken on accept (the event loop's thread), given
-    back on close (the same thread: asyncio closes a transport's socket on the loop)."""
+    """Open connections against a cap, shared by the listeners, and a share of it per client address: a client
+    that opens connections and sends nothing (a port scan, a stuck tool) holds each for up to `header_timeout`
+    seconds, and must not take them all from the others: one address holds half of them at most. Taken on accept
+    (the event loop's thread), given back on close (the same thread: asyncio closes a transport's socket there)."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
+        self.per_source = max(8, cap // 2)
         self.open = 0
+        self._by_source: dict[str, int] = {}
 
-    def take(self) -> bool:
-        if self.open >= self.cap:
+    def take(self, source: str) -> bool:
+        held = self._by_source.get(source, 0)
+        if self.open >= self.cap or held >= self.per_source:
             return False
         self.open += 1
+        self._by_source[source] = held + 1
         return True
 
-    def give(self) -> None:
+    def give(self, source: str) -> None:
         self.open -= 1
+        held = self._by_source.get(source, 0) - 1
+        if held > 0:
+            self._by_source[source] = held
+        else:
+            self._by_source.pop(source, None)
 
 
 class _CountedSocket(socket.socket):
     slots: _Slots | None = None
+    source = ""
 
     def close(self) -> None:
         slots, self.slots = self.slots, None
         if slots is not None:
-            slots.give()
+            slots.give(self.source)
         super().close()
 
 
@@ -662,11 +674,13 @@ class _CappedListener(socket.socket):
     def accept(self) -> tuple[socket.socket, Any]:
         fd, address = self._accept()  # type: ignore[attr-defined]
         conn = _CountedSocket(self.family, self.type, self.proto, fileno=fd)
-        if not self.slots.take():
+        source = str(address[0]) if isinstance(address, tuple) else ""
+        if not self.slots.take(source):
             conn.close()
-            log.debug("redfish: %d connections open, closed one from %s", self.slots.cap, address)
+            log.debug("redfish: %d connections open (%d of them from one address at most), closed one from %s",
+                      self.slots.cap, self.slots.per_source, address)
             raise ConnectionAbortedError  # asyncio's accept loop drops it and goes on
-        conn.slots = self.slots
+        conn.slots, conn.source = self.slots, source
         return conn, address
 
 
