@@ -62,6 +62,7 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/python bench/agent.py
 	$(BIN)/python bench/slow_clients.py
 	$(BIN)/python bench/controller.py
+	$(BIN)/python bench/services.py
 	$(BIN)/python bench/idle.py
 	$(BIN)/python bench/apply.py
 	$(BIN)/python bench/redfish_fuzz.py
