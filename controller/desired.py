@@ -378,8 +378,10 @@ POOL_SUFFIX = "-virtbmc-pool"  # never a dedicated child's name: those end in -v
 POOL_CONFIG_KEY = "pool.json"
 # Member slot k listens on these plus k; its Service maps 623, 80 and 443 to them.
 POOL_IPMI_BASE, POOL_HTTP_BASE, POOL_HTTPS_BASE = 20000, 30000, 40000
-# The pool's Secret carries every member's credentials and certificate: this many stay well within the API's
-# 1 MiB object size, and one agent serves them in well under its memory limit (docs/reference.md).
+# The pool's Secret carries every member's credentials and certificate (about 1.6 KB each with short names, 3 KB with
+# the longest a DNS label allows): this many stay within the API's 1 MiB object size whatever the names
+# (tests/controller/test_fleet_units.py; 500 of the longest would need 1.5 MB), and one agent serves them within
+# its memory limit (docs/reference.md: about 1 MB each).
 MAX_POOL_MEMBERS = 200
 
 

@@ -203,6 +203,39 @@ def test_the_pool_secret_carries_each_members_credentials_and_certificate() -> N
     assert (b["redfish"], b["httpsPort"], b["tlsCert"]) == (False, 0, "")
 
 
+def test_a_full_pool_of_long_names_fits_the_api_servers_object_limit() -> None:
+    """MAX_POOL_MEMBERS members, each with names of the longest a DNS label allows, a long password and a real
+    certificate (P-256, the Service's four DNS names, a ClusterIP and a LoadBalancer address): the pool's Secret
+    and every object that names each member stay under the 1 MiB kube-apiserver accepts (etcd's request limit is
+    1.5 MiB), with room to spare."""
+    import datetime
+
+    from controller import certificates
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca = certificates.issue_ca("kubevbmc", now)
+    namespace = "n" * 63
+    creds = {"metadata": {"name": "x"}, "data": {"username": base64.b64encode(b"u" * 32).decode(),
+                                                 "password": base64.b64encode(b"p" * 64).decode()}}
+    entries, grants, bmcs = [], [], []
+    for slot in range(desired.MAX_POOL_MEMBERS):
+        name = f"vm-{slot:03d}-" + "x" * 56
+        bmc = {**member(name), "metadata": {"name": name, "namespace": namespace, "uid": f"{slot:08d}" + "-" * 28}}
+        names = certificates.service_names(desired.child_name(name)[:63], namespace, "10.96.255.255",
+                                           "192.168.255.255")
+        material = certificates.issue_leaf(ca, names, now)
+        tls = desired.desired_tls_secret(bmc, name, material)
+        entries.append(desired.pool_member(bmc, name, slot, creds, tls))
+        grants.append((bmc, name, ["cdrom"]))
+        bmcs.append(bmc)
+    owners = owned_by(*bmcs)
+    objects = [desired.desired_pool_secret(namespace, "lab", owners, entries),
+               desired.desired_pool_role(namespace, "lab", owners, grants),
+               desired.desired_pool_service_account(namespace, "lab", owners)]
+    sizes = [len(json.dumps(o, separators=(",", ":"))) for o in objects]
+    assert max(sizes) < 0.9 * 2**20, sizes
+
+
 def test_the_pool_deployment_names_no_member() -> None:
     one = desired.desired_pool_deployment("ns", "lab", owned_by(member("a")), OLD)
     two = desired.desired_pool_deployment("ns", "lab", owned_by(member("a"), member("b")), OLD)
