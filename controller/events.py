@@ -50,7 +50,11 @@ class EventRecorder:
             try:
                 self._send(body)
             except ApiError as exc:  # an Event is best effort
-                log.warning("event %s/%s %s not recorded: %s", meta["namespace"], meta["name"], body["reason"], exc)
+                # About an object or namespace that is going (404 naming it, 403 for a terminating namespace): the
+                # normal run of things. Anything else means Events are not recorded: an operator should look.
+                gone = exc.routine or (exc.status == 403 and "being terminated" in exc.message)
+                log.log(logging.DEBUG if gone else logging.WARNING, "event %s/%s %s not recorded: %s",
+                        meta["namespace"], meta["name"], body["reason"], exc)
 
     def _send(self, body: dict[str, Any]) -> None:
         involved, namespace = body["involvedObject"], body["metadata"]["namespace"]

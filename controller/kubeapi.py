@@ -33,11 +33,19 @@ MERGE_PATCH = "application/merge-patch+json"
 class ApiError(Exception):
     """The API server answered with an error Status (or could not be reached: status 0)."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, name: str = "") -> None:
         super().__init__(f"{status} {reason}: {message}")
         self.status = status
         self.reason = reason
         self.message = message
+        self.name = name  # the Status's details.name: the object the error is about, when there is one
+
+    @property
+    def routine(self) -> bool:
+        """What a level-triggered controller meets in the normal run of things and retries: an object deleted or
+        changed by someone else since the cache showed it (404 naming the object, 409 Conflict). A 404 naming no
+        object (a resource type the server does not serve) is not one."""
+        return (self.status == 404 and bool(self.name)) or self.status == 409
 
 
 class TokenFile:
@@ -197,7 +205,9 @@ class KubeApi:
             payload = {"message": raw.decode(errors="replace")}
         if status >= 400:
             payload = payload if isinstance(payload, dict) else {}
-            raise ApiError(status, str(payload.get("reason") or reason), str(payload.get("message") or reason))
+            details = payload.get("details") if isinstance(payload.get("details"), dict) else {}
+            raise ApiError(status, str(payload.get("reason") or reason), str(payload.get("message") or reason),
+                           str(details.get("name") or ""))
         if method != "GET" and self.on_write is not None:
             self.on_write(method, path)
         return payload if isinstance(payload, dict) else {}

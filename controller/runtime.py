@@ -112,7 +112,10 @@ class Manager:
                 metrics.reconcile_errors.inc()
                 metrics.reconciles.labels("error").inc()
                 delay = self.queue.add_rate_limited(key)
-                level = logging.WARNING if isinstance(exc, ApiError) else logging.ERROR
+                # WARNING means an operator should look: an object deleted or changed while it was reconciled is
+                # the normal run of things, retried (the next pass sees it as it is now).
+                level = (logging.DEBUG if isinstance(exc, ApiError) and exc.routine
+                         else logging.WARNING if isinstance(exc, ApiError) else logging.ERROR)
                 log.log(level, "reconcile %s failed (retry in %.2fs): %s", _shown(key), delay, exc,
                         exc_info=not isinstance(exc, ApiError))
             else:
