@@ -261,9 +261,12 @@ def metric(url: str, name: str) -> float:
     return float(match.group(1)) if match else float("nan")
 
 
+IPMI_TRIES = 3  # ipmitool runs per member before its IPMI counts as not answering
+
+
 def touch(entry: dict[str, Any]) -> bool:
     """One Redfish GET of the member's System and one IPMI power status: every part of it has served. False when
-    IPMI did not answer (counted, not fatal: the curve says how many members answer)."""
+    IPMI did not answer IPMI_TRIES runs of ipmitool (counted, not fatal: the curve says how many members answer)."""
     auth = {"Authorization": "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}
     url = f"http://127.0.0.1:{entry['httpPort']}/redfish/v1/Systems/{entry['vm']}"
     for attempt in range(5):
@@ -278,10 +281,19 @@ def touch(entry: dict[str, Any]) -> bool:
                 print(f"member {entry['name']}: Redfish 503 five times (kubesim too busy to confirm its cache)",
                       flush=True)
             time.sleep(1)
-    result = subprocess.run(["ipmitool", "-I", "lanplus", "-C", "17", "-H", "127.0.0.1", "-p",
-                             str(entry["ipmiPort"]), "-U", USER, "-P", PASSWORD, "power", "status"],
-                            capture_output=True, text=True, timeout=30)
-    return "Chassis Power is" in result.stdout
+    # ipmitool sends a packet again when its answer is late (4 times, 1 s apart and a second more each time), but
+    # takes a refusal as final: 0xC0 (node busy) for a read from a cache the agent could not confirm in time (a
+    # busy kubesim, as the Redfish 503 above). Ironic runs ipmitool again on such failures; so does this, saying why.
+    for attempt in range(1, IPMI_TRIES + 1):
+        result = subprocess.run(["ipmitool", "-I", "lanplus", "-C", "17", "-H", "127.0.0.1", "-p",
+                                 str(entry["ipmiPort"]), "-U", USER, "-P", PASSWORD, "power", "status"],
+                                capture_output=True, text=True, timeout=60)
+        if "Chassis Power is" in result.stdout:
+            return True
+        why = " / ".join(result.stderr.strip().splitlines()[-2:]) or f"exit {result.returncode}, no output"
+        print(f"member {entry['name']}: ipmitool power status failed, try {attempt}/{IPMI_TRIES}: {why}", flush=True)
+        time.sleep(1)
+    return False
 
 
 def threads_of(pid: int) -> int:

@@ -256,6 +256,39 @@ def test_rakp_messages_that_name_an_active_session_change_nothing(bmc: IpmiServe
         assert answer is not None and completion(answer.payload) == 0
 
 
+def test_a_rakp_message_sent_again_gets_the_same_answer_and_the_login_goes_on(bmc: IpmiServer) -> None:
+    """A console whose answer came late (ipmitool sends again after a second, a loaded BMC may answer later) goes
+    on with whichever answer comes first: both must be the same, or its RAKP 3 fails as a wrong password."""
+    import hashlib
+    import hmac
+    import os
+
+    with Console(bmc.address) as console:
+        assert console.open_session() is not None
+        rm, name, role = os.urandom(16), USER.encode(), 4
+        rakp1 = setup_packet(RAKP1, bytes([1, 0, 0, 0]) + console.managed_sid + rm + bytes([role, 0, 0, len(name)])
+                             + name)
+        console.send(rakp1)
+        console.send(rakp1)
+        first, again = console.receive(), console.receive()
+        assert first is not None and again is not None and first.payload[1] == 0
+        assert again.payload == first.payload  # the same random number Rc, the same auth code
+        rc, role_and_name = first.payload[8:24], bytes([role, len(name)]) + name
+        auth = hmac.new(PASSWORD.encode(), rc + console.console_sid + role_and_name, hashlib.sha256).digest()
+        rakp3 = setup_packet(RAKP3, bytes([2, 0, 0, 0]) + console.managed_sid + auth)
+        console.send(rakp3)
+        console.send(rakp3)
+        rakp4, rakp4_again = console.receive(), console.receive()
+        assert rakp4 is not None and rakp4_again is not None and rakp4.payload[1] == 0
+        assert rakp4_again.payload == rakp4.payload
+        sik = hmac.new(PASSWORD.encode(), rm + rc + role_and_name, hashlib.sha256).digest()
+        console.k1 = hmac.new(sik, b"\x01" * 20, hashlib.sha256).digest()
+        console.k2 = hmac.new(sik, b"\x02" * 20, hashlib.sha256).digest()[:16]
+        answer = console.request(*GET_DEVICE_ID)
+        assert answer is not None and completion(answer.payload) == 0
+    assert bmc.throttle.retry_after("127.0.0.1") == 0 and not bmc.throttle.failures_total
+
+
 def test_a_half_open_session_lives_seconds_and_one_abandoned_after_rakp_2_is_a_failed_login(
         bmc: IpmiServer) -> None:
     """RAKP 2 carries an HMAC of the password: a console that takes it and never answers with RAKP 3 may be

@@ -4,8 +4,9 @@ A BMC is, whether it is alone in its process (`kubevbmc agent`) or one of many (
 client cannot tell the two apart:
 - its Machine: a KubeVirtMachine (its own watches of its VM, VMI and VirtualMachineBMC) over the KubeClient of the
   process (shared by a pool's members), or a MemoryMachine;
-- its IpmiServer, with its own thread, session table and backend writer thread, started once the Machine knows its
-  VM (IPMI answers RAKP with the system GUID);
+- its IpmiServer, with its own socket, session table and backend writer thread (made at its first write), served
+  by the process's IPMI loop (vbmc/ipmi/loop.py: one thread and a few workers for every BMC), started once the
+  Machine knows its VM (IPMI answers RAKP with the system GUID);
 - its serial console and screen (vbmc/machine/console.py, screen.py: one connection to the VM each, shared by IPMI
   SOL and the web page's viewers);
 - its page and console WebSockets (vbmc/web), in front of its Redfish app;
@@ -190,7 +191,7 @@ class Bmc:
 
     def _login_throttled(self, engaged: Engaged) -> None:
         """A Warning Event on this BMC's VirtualMachineBMC (at most one per source a minute, see
-        vbmc/access/throttle.py), posted from its own thread: the IPMI server answers every client from one."""
+        vbmc/access/throttle.py), posted from its own thread: the IPMI server answers clients from the IPMI loop's."""
         machine = self.machine
         if machine is None:
             return

@@ -20,7 +20,7 @@ from ..machine.kubevirt import vmstate
 from .bmc import BmcSpec
 from .logs import configure_logging
 from .pool import file_source, secret_source
-from .runtime import Agent, Settings, fixed_source, lazy_url_builders
+from .runtime import Agent, Settings, fixed_source, lazy_url_builders, shared_rule_parts
 
 log = logging.getLogger("vbmc.agent")
 
@@ -249,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kubevbmc agent: {exc}", file=sys.stderr)
         return 2
     lazy_url_builders()
+    shared_rule_parts()
     if pooled:
         raise_descriptor_limit()
     kube = None

@@ -5,9 +5,10 @@ serves the members its pool config offers (vbmc/agent/pool.py) and, at every cha
 members, stops the removed ones and restarts a member whose entry changed, alone (`plan`).
 
 Isolation: one asyncio event loop (the main thread) does every BMC's network I/O and nothing else that blocks;
-each request runs on its BMC's own worker threads, each IPMI command on its BMC's IPMI thread (backend writes on
-its own writer thread), so one BMC's slow or failing backend calls hold up only that BMC. BMCs start and stop off
-the loop (threads), so one that takes long to stop delays no request.
+each request runs on its BMC's own worker threads, each IPMI command in its BMC's turn on one of the IPMI loop's
+workers (vbmc/ipmi/loop.py; backend writes on the BMC's own writer thread), so one BMC's slow or failing backend
+calls hold up only that BMC. BMCs start and stop off the loop (threads), so one that takes long to stop delays no
+request.
 
 A dedicated agent's listeners must open at its first attempt: a port in use or a certificate that does not load
 ends the process (exit 1, so that the kubelet shows the crash). A pool instead logs a member that fails to start
@@ -23,9 +24,9 @@ Memory (bench/agent.py): the BMCs of a pool share the interpreter, the imported 
 KubeClient (one urllib3 pool) and the pool's port; a member costs about 1 MB PSS (kubevirt backend). Its Flask app
 is the largest part, about 540 KB (57 routes, each parsed and matched per app: the routes name the BMC's own
 System), less about 90 KB of werkzeug URL builders that are compiled on first use here (`lazy_url_builders`: the
-Redfish app builds no URLs). Then its Machine's watches (three, six threads, the cached VM and VMI), the IPMI
-server (a thread; idle, it sleeps until a packet comes) and the Redfish worker threads (created on the first
-requests, about 16 KB each).
+Redfish app builds no URLs), and its routes' parsed parts are shared with the other members' (`shared_rule_parts`).
+Then its Machine's watches (three, the cached VM and VMI), the IPMI server (no thread of its own: the process's
+IPMI loop watches its socket) and the Redfish worker threads (created on the first requests, about 16 KB each).
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ import json
 import logging
 import signal
 import ssl
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -506,3 +509,35 @@ def lazy_url_builders() -> None:
 
     Rule._compile_builder = lazy  # type: ignore[method-assign]
     Rule._kubevbmc_lazy = True  # type: ignore[attr-defined]
+
+
+def shared_rule_parts() -> None:
+    """werkzeug parses every route of every app into parts (one per path segment: its text or regex, its weights)
+    and a trace; a pool's members have the same routes but for their own System's name. Here each compiled rule
+    takes the parts an earlier rule already has, equal in every field, and its trace's strings are interned, so the
+    members share what they have in common ("redfish", "v1", "Systems", ...). werkzeug only reads them once a rule
+    is compiled (the matcher, the URL builders); a part stays shared while a rule holds it (weak references)."""
+    from werkzeug.routing.rules import Rule, RulePart
+
+    if getattr(Rule, "_kubevbmc_shared_parts", False):
+        return
+    compile_rule = Rule.compile
+    parts: weakref.WeakValueDictionary[Hashable, RulePart] = weakref.WeakValueDictionary()
+
+    def compile(rule: Rule) -> None:
+        compile_rule(rule)
+        rule._parts = [_shared_part(parts, part) for part in rule._parts]
+        rule._trace = [(dynamic, sys.intern(text)) for dynamic, text in rule._trace]
+
+    Rule.compile = compile  # type: ignore[method-assign,assignment]
+    Rule._kubevbmc_shared_parts = True  # type: ignore[attr-defined]
+
+
+def _shared_part(parts: weakref.WeakValueDictionary[Hashable, Any], part: Any) -> Any:
+    weight = part.weight
+    key = (part.content, part.final, part.static, part.suffixed, weight.number_static_weights,
+           tuple(weight.static_weights), weight.number_argument_weights, tuple(weight.argument_weights))
+    shared = parts.get(key)
+    if shared is None:
+        parts[key] = shared = part
+    return shared

@@ -11,6 +11,7 @@ Only sensors a VM can state honestly: there are no temperatures, fans or voltage
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -117,6 +118,7 @@ def mc_locator_record(record_id: int, name: str) -> bytes:
     return _record(record_id, RECORD_MC_LOCATOR, body + _id_string(name))
 
 
+@functools.cache  # the same records for every BMC of a process
 def repository(bmc_name: str = "KubeVBMC") -> tuple[bytes, ...]:
     """Every record, record IDs 1, 2, ...: the MC locator, then the sensors (readable ones as compact records)."""
     records = [mc_locator_record(1, bmc_name)]

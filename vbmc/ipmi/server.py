@@ -3,18 +3,18 @@
 Like VirtualBMC, each IPMI verb is one method and a table maps (netfn, command) to it. The RMCP+ session layer
 comes from pyghmi's BMC server (see session.py); the transport is this module's own: pyghmi's IpmiServer binds its
 socket into a process-wide I/O thread that hands every packet to a second thread, can never be stopped, and shares
-its session table with every other server in the process. Here each server has its socket, one thread that
-receives, authenticates, answers and sends, and a stop() that returns at once.
+its session table with every other server in the process. Here each server has its socket and its session table;
+the process's IPMI loop (loop.py) watches every server's socket, and a server receives, authenticates, answers and
+sends in turns that never overlap, on one of the loop's workers, so that a backend that hangs holds up its own BMC
+only. stop() returns at once.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import contextvars
 import logging
 import math
-import selectors
 import socket
 import struct
 import threading
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from importlib import metadata
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from ..access import audit
 from ..access.throttle import LoginThrottle, source_key
@@ -31,6 +31,7 @@ from ..machine.console import SerialHub, SerialViewer
 from ..machine.events import MANAGER_RESET, POWER_STATE_CHANGED, Event
 from . import codec, fru, lan, rmcp, sdr, sel, sol
 from .codec import Completion, IdentifyState, Privilege, RestartCause, SessionEntry
+from .loop import IpmiLoop
 from .session import (
     STATUS_INSUFFICIENT_RESOURCES,
     STATUS_INVALID_SESSION_ID,
@@ -58,9 +59,9 @@ MAX_OPENING_PER_SOURCE = 4  # half-open sessions one source address may hold; it
 MAX_OPENING = 256
 IDLE_TIMEOUT = 60.0  # session inactivity timeout (section 6.12.15 suggests 60 s)
 WRITE_DEADLINE = 0.8  # a slower backend write is answered 0xC0 (node busy) before ipmitool gives up a try (1 s)
-POLL_INTERVAL = 0.2  # the longest stop() waits for the serving thread (it wakes it through its wake socket)
-# The longest the serving thread sleeps with nothing due: a packet, stop() and work posted wake it at once, and with
-# sessions open it wakes for the next sweep. An idle BMC costs no wake-ups (a pooled agent has a hundred).
+STOP_WAIT = WRITE_DEADLINE + 0.2  # the longest stop() waits for the turn under way (a backend write's deadline)
+# Packets one turn takes before the server goes back to the loop (a flood on one BMC does not keep a worker for ever).
+TURN_PACKETS = 16
 # How long after an accepted power-up command the chassis reads "on" while the VM still reads off (KubeVirt has not
 # yet turned the start request into a VMI): the power button was pressed, the chassis has power.
 POWER_UP_GRACE = 10.0
@@ -80,7 +81,7 @@ class SolPayload:
 class Command(NamedTuple):
     action: str
     privilege: Privilege
-    handler: Callable[[bytes], Reply]
+    handler: Callable[[IpmiServer, bytes], Reply]
     writes: bool = False  # logged at INFO, reads at DEBUG
     invalid: Completion = Completion.NOT_SUPPORTED_IN_PRESENT_STATE  # what an InvalidRequest from it means
 
@@ -89,14 +90,17 @@ class IpmiServer:
     """An IPMI BMC for one Machine, with one user (administrator privilege), on one UDP address.
 
     Usage: `server = IpmiServer(machine, "admin", "password", address=("0.0.0.0", 10623))`; `server.start()` binds
-    and serves in a daemon thread (port 0 picks a free port, see `address`); `server.stop()` returns at once, or
-    within WRITE_DEADLINE if a backend write is in flight. Also a context manager.
+    and serves on the process's IPMI loop (port 0 picks a free port, see `address`); `server.stop()` returns at
+    once, or within WRITE_DEADLINE if a backend write is in flight. Also a context manager.
     """
+
+    _commands: ClassVar[dict[tuple[int, int], Command]]  # (netfn, command) -> its handler (_command_table)
 
     def __init__(self, machine: Machine, username: str, password: str,
                  address: tuple[str, int] = ("0.0.0.0", 623), throttle: LoginThrottle | None = None,
-                 console: SerialHub | None = None) -> None:
+                 console: SerialHub | None = None, loop: IpmiLoop | None = None) -> None:
         self.machine = machine
+        self._loop = loop if loop is not None else IpmiLoop.shared()
         # Shared with the Redfish app in the agent, so a source's failures count over both protocols.
         self.throttle = throttle if throttle is not None else LoginThrottle()
         self._credentials = {username: password.encode()}
@@ -109,7 +113,7 @@ class IpmiServer:
         self._firmware = _firmware_revision()
         self._socket: socket.socket | None = None
         self._transport: Transport | None = None
-        self._thread: threading.Thread | None = None
+        self._serving = False
         self._stopping = threading.Event()
         self._writer: futures.ThreadPoolExecutor | None = None
         self._sessions: dict[int, RmcpPlusSession] = {}  # by managed session ID
@@ -143,82 +147,10 @@ class IpmiServer:
         self._handles: dict[int, int] = {}
         self._next_handle = 1
         # Serial over LAN (sol.py): its configuration, the active payload, and work other threads (the serial
-        # line's reader) hand to the serving thread, which alone touches sessions and links.
+        # line's reader) hand to the server's turns, which alone touch sessions and links.
         self.sol_config = sol.SolConfig()
         self._sol: SolPayload | None = None
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
-        self._wake: tuple[socket.socket, socket.socket] | None = None
-
-        chassis, app = codec.NETFN_CHASSIS, codec.NETFN_APP
-        sensor, storage, transport = sdr.NETFN_SENSOR, sdr.NETFN_STORAGE, lan.NETFN_TRANSPORT
-        user, operator = Privilege.USER, Privilege.OPERATOR
-        self._commands: dict[tuple[int, int], Command] = {
-            (app, codec.GET_DEVICE_ID): Command("get_device_id", user, self._get_device_id),
-            (app, codec.GET_SELF_TEST_RESULTS): Command("get_self_test_results", user, self._get_self_test_results),
-            (app, codec.GET_DEVICE_GUID): Command("get_device_guid", user, self._get_guid),
-            (app, codec.GET_SYSTEM_GUID): Command("get_system_guid", user, self._get_guid),
-            (app, codec.GET_CHANNEL_AUTH_CAPABILITIES): Command(
-                "get_channel_auth_capabilities", Privilege.CALLBACK, self._get_channel_auth_capabilities),
-            (app, codec.GET_CHANNEL_CIPHER_SUITES): Command(
-                "get_channel_cipher_suites", Privilege.CALLBACK, self._get_channel_cipher_suites),
-            (app, codec.GET_CHANNEL_ACCESS): Command("get_channel_access", user, self._get_channel_access),
-            (app, codec.GET_CHANNEL_INFO): Command("get_channel_info", user, self._get_channel_info),
-            (app, codec.GET_USER_ACCESS): Command("get_user_access", operator, self._get_user_access),
-            (app, codec.GET_USER_NAME): Command("get_user_name", operator, self._get_user_name),
-            (app, codec.GET_USER_PAYLOAD_ACCESS): Command(
-                "get_user_payload_access", operator, self._get_user_payload_access),
-            (chassis, codec.GET_CHASSIS_STATUS): Command("get_chassis_status", user, self._get_chassis_status),
-            (chassis, codec.CHASSIS_CONTROL): Command("chassis_control", operator, self._chassis_control, True),
-            (chassis, codec.CHASSIS_IDENTIFY): Command("chassis_identify", operator, self._chassis_identify, True),
-            (chassis, codec.SET_POWER_RESTORE_POLICY): Command(
-                "set_power_restore_policy", operator, self._set_power_restore_policy, True,
-                Completion.INVALID_DATA_FIELD),
-            (chassis, codec.SET_SYSTEM_BOOT_OPTIONS): Command(
-                "set_system_boot_options", operator, self._set_system_boot_options, True,
-                Completion.INVALID_DATA_FIELD),
-            (chassis, codec.GET_SYSTEM_BOOT_OPTIONS): Command(
-                "get_system_boot_options", operator, self._get_system_boot_options),
-            (chassis, codec.GET_SYSTEM_RESTART_CAUSE): Command(
-                "get_system_restart_cause", operator, self._get_system_restart_cause),
-            (chassis, codec.GET_POH_COUNTER): Command("get_poh_counter", user, self._get_poh_counter),
-            (app, codec.GET_ACPI_POWER_STATE): Command("get_acpi_power_state", user, self._get_acpi_power_state),
-            (app, codec.GET_SESSION_INFO): Command("get_session_info", user, self._get_session_info),
-            (storage, sdr.GET_SDR_REPOSITORY_INFO): Command(
-                "get_sdr_repository_info", user, self._get_sdr_repository_info),
-            (storage, sdr.RESERVE_SDR_REPOSITORY): Command("reserve_sdr_repository", user, self._reserve_sdr),
-            (storage, sdr.GET_SDR): Command("get_sdr", user, self._get_sdr),
-            (sensor, sdr.GET_SENSOR_READING): Command("get_sensor_reading", user, self._get_sensor_reading),
-            (storage, fru.GET_FRU_INVENTORY_AREA_INFO): Command(
-                "get_fru_inventory_area_info", user, self._get_fru_area_info),
-            (storage, fru.READ_FRU_DATA): Command("read_fru_data", user, self._read_fru_data),
-            (storage, sel.GET_SEL_INFO): Command("get_sel_info", user, self._get_sel_info),
-            (storage, sel.RESERVE_SEL): Command("reserve_sel", user, self._reserve_sel),
-            (storage, sel.GET_SEL_ENTRY): Command("get_sel_entry", user, self._get_sel_entry),
-            (storage, sel.ADD_SEL_ENTRY): Command("add_sel_entry", operator, self._add_sel_entry, True),
-            (storage, sel.CLEAR_SEL): Command("clear_sel", operator, self._clear_sel, True),
-            (storage, sel.GET_SEL_TIME): Command("get_sel_time", user, self._get_sel_time),
-            (storage, sel.SET_SEL_TIME): Command("set_sel_time", operator, self._set_sel_time, True),
-            (transport, lan.GET_LAN_CONFIGURATION): Command(
-                "get_lan_configuration", operator, self._get_lan_configuration),
-            (app, lan.SECURITY_KEYS): Command(
-                "channel_security_keys", Privilege.ADMINISTRATOR, self._channel_security_keys),
-            (transport, lan.SET_LAN_CONFIGURATION): Command(
-                "set_lan_configuration", Privilege.ADMINISTRATOR, self._set_lan_configuration, True),
-            (app, sol.ACTIVATE_PAYLOAD): Command("activate_payload", user, self._activate_payload, True),
-            (app, sol.DEACTIVATE_PAYLOAD): Command("deactivate_payload", user, self._deactivate_payload, True),
-            (app, sol.GET_PAYLOAD_ACTIVATION_STATUS): Command(
-                "get_payload_activation_status", user, self._get_payload_activation_status),
-            (app, sol.GET_PAYLOAD_INSTANCE_INFO): Command(
-                "get_payload_instance_info", user, self._get_payload_instance_info),
-            (app, sol.GET_CHANNEL_PAYLOAD_SUPPORT): Command(
-                "get_channel_payload_support", user, self._get_channel_payload_support),
-            (app, sol.GET_CHANNEL_PAYLOAD_VERSION): Command(
-                "get_channel_payload_version", user, self._get_channel_payload_version),
-            (transport, sol.GET_SOL_CONFIGURATION): Command(
-                "get_sol_configuration", user, self._get_sol_configuration),
-            (transport, sol.SET_SOL_CONFIGURATION): Command(
-                "set_sol_configuration", Privilege.ADMINISTRATOR, self._set_sol_configuration, True),
-        }
 
     # ---- lifecycle
 
@@ -231,7 +163,7 @@ class IpmiServer:
         return host, port
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._serving:
             raise RuntimeError("the IPMI server is already started")
         host, port = self._bind_address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -241,39 +173,30 @@ class IpmiServer:
         except OSError:
             sock.close()
             raise
-        sock.settimeout(POLL_INTERVAL)
+        sock.setblocking(False)  # a turn reads until nothing is left
         self._socket = sock
-        self._wake = socket.socketpair()
-        self._wake[1].setblocking(False)
-        self._wake[0].setblocking(False)
         self._transport = Transport(sock.sendto)
-        self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ipmi-{self._vm}-machine")
         self._stopping.clear()
         self._unsubscribe = self.machine.events.subscribe(self._machine_event)
-        self._thread = threading.Thread(target=self._serve, name=f"ipmi-{self._vm}", daemon=True)
-        self._thread.start()
+        self._serving = True
+        self._loop.add(self, sock)
         log.info("ipmi server started vm=%s address=%s:%d", self._vm, *self.address,
                  extra={"protocol": "ipmi", "vm": self._vm})
 
     def stop(self) -> None:
         """Stop serving; returns once the command being answered is (at most WRITE_DEADLINE)."""
-        thread, self._thread = self._thread, None
-        if thread is None:
+        if not self._serving:
             return
+        self._serving = False
         self._stopping.set()
-        if self._wake is not None:
-            with contextlib.suppress(OSError):  # full: the thread is awake anyway
-                self._wake[1].send(b"\0")
-        thread.join(timeout=POLL_INTERVAL + WRITE_DEADLINE)
-        if self._writer is not None:
-            self._writer.shutdown(wait=False, cancel_futures=True)
+        self._loop.remove(self, STOP_WAIT)
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=False, cancel_futures=True)
         if self._sol is not None:
             self._end_sol("the BMC stopped", tell=False)
         if self._socket is not None:
             self._socket.close()
-        if self._wake is not None:
-            for end in self._wake:
-                end.close()
         self._sessions.clear()
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -287,76 +210,57 @@ class IpmiServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # ---- transport
+    # ---- transport: turns on the IPMI loop
 
-    def _serve(self) -> None:
-        assert self._socket is not None and self._wake is not None
-        sock, wake = self._socket, self._wake[0]
-        # poll, not select.select: a pool's process holds thousands of descriptors, and select.select refuses any
-        # numbered 1,024 or more (ValueError), which would leave this BMC deaf and its thread spinning. Not epoll
-        # either: its own descriptor would be one more per member.
-        with selectors.PollSelector() as selector:
-            selector.register(sock, selectors.EVENT_READ)
-            selector.register(wake, selectors.EVENT_READ)
-            self._serve_with(selector, sock, wake)
-
-    def _serve_with(self, selector: selectors.BaseSelector, sock: socket.socket, wake: socket.socket) -> None:
-        while not self._stopping.is_set():
-            now = time.monotonic()
-            # Asleep while idle: with no session to expire and no SOL output due, nothing happens until a packet
-            # or the wake socket (stop, an inbox) arrives, however many BMCs a pool's process serves.
-            timeout: float | None = None
-            if self._sessions:  # half-open and idle sessions expire at the sweeps
-                timeout = max(0.0, self._next_sweep - now)
-            due = self._sol.link.due if self._sol is not None else None
-            if due is not None:
-                timeout = min(timeout if timeout is not None else math.inf, max(0.0, due - now))
-            try:
-                readable = [key.fileobj for key, _ in selector.select(timeout)]
-            except (OSError, ValueError):
-                if self._stopping.is_set():
-                    return
-                # Not retried: an error here (a closed socket) would repeat at once, for ever.
-                log.exception("ipmi stopped serving: waiting for packets failed vm=%s", self._vm)
-                return
-            if wake in readable:
+    def turn(self) -> float | None:
+        """Called by the IPMI loop on one of its workers, never two at once (loop.py): the work other threads
+        handed in, the packets waiting (TURN_PACKETS at most), then the SOL link and the session sweep when due, as
+        a thread of its own would do at each wake-up. Returns when the next turn is due if no packet comes first:
+        with no session to expire and no SOL output due, None (an idle BMC costs no wake-ups)."""
+        for _ in range(TURN_PACKETS):
+            if self._stopping.is_set():
+                return None
+            if self._inbox:
                 self._run_inbox()
-            if sock in readable:
-                self._receive(sock)
+            received = self._receive()
             now = time.monotonic()
             if self._sol is not None and self._sol.link.due is not None and now >= self._sol.link.due:
                 self._sol.link.poll(now)  # a retransmission or accumulated output; packets and output poll themselves
             if now >= self._next_sweep:  # also when idle: an abandoned RAKP exchange counts as a failed login
                 self._expire_sessions(now)
+            if not received:
+                break
+        # Packets still waiting (past TURN_PACKETS) keep the socket readable: the loop starts the next turn at once.
+        due = self._next_sweep if self._sessions else math.inf  # half-open and idle sessions expire at the sweeps
+        if self._sol is not None and self._sol.link.due is not None:
+            due = min(due, self._sol.link.due)
+        return None if due == math.inf else due
 
-    def _receive(self, sock: socket.socket) -> None:
+    def _receive(self) -> bool:
+        """One datagram read and answered; False when none was waiting."""
+        assert self._socket is not None
         try:
-            packet, sockaddr = sock.recvfrom(RECEIVE_SIZE)
-        except (TimeoutError, BlockingIOError):
-            return
+            packet, sockaddr = self._socket.recvfrom(RECEIVE_SIZE)
+        except BlockingIOError:
+            return False
         except OSError:
             if not self._stopping.is_set():
                 log.exception("ipmi receive failed vm=%s", self._vm)
-            return
+            return False
         try:
             self._datagram(packet, sockaddr)
         except Exception:  # a malformed packet must never stop the BMC
             log.warning("ipmi dropped a packet vm=%s client=%s size=%d", self._vm, _client(sockaddr),
                         len(packet), exc_info=log.isEnabledFor(logging.DEBUG))
+        return True
 
     def _post(self, work: Callable[[], None]) -> None:
-        """Run `work` on the serving thread (from any thread)."""
+        """Run `work` in the server's next turn (from any thread)."""
         self._inbox.append(work)
-        wake = self._wake
-        if wake is not None:
-            with contextlib.suppress(OSError):  # full (the loop is awake anyway) or closed (stopping)
-                wake[1].send(b"\0")
+        if self._serving:
+            self._loop.wake(self)
 
     def _run_inbox(self) -> None:
-        assert self._wake is not None
-        with contextlib.suppress(OSError):  # drained
-            while self._wake[0].recv(4096):
-                pass
         while self._inbox:
             work = self._inbox.popleft()
             try:
@@ -390,14 +294,18 @@ class IpmiServer:
 
     def _session_setup(self, packet: bytes, payload_type: int, sockaddr: Any) -> None:
         """RAKP 1 or 3: the payload names the managed session. Only a half-open session opened from the same
-        address takes it; anything else gets "invalid session ID" and no session changes."""
+        address takes it, or an authenticated one a RAKP message it answered, sent again; anything else gets
+        "invalid session ID" and no session changes."""
         (length,) = struct.unpack_from("<H", packet, 14)
         payload = packet[16:16 + length]
         session_id = int(struct.unpack_from("<I", payload, 4)[0]) if len(payload) >= 8 else 0
         session = self._sessions.get(session_id)
-        if session is not None and session.sockaddr == sockaddr and not session.active:
-            session.receive(packet)
-            return
+        if session is not None and session.sockaddr == sockaddr:
+            if not session.active:
+                session.receive(packet)
+                return
+            if session.repeated_setup(payload_type, payload):
+                return
         error = setup_error(payload_type, payload, STATUS_INVALID_SESSION_ID)
         if error is not None:
             self._send(rmcp.session_setup_packet(*error), sockaddr)
@@ -545,7 +453,7 @@ class IpmiServer:
         error = ""
         self._current = session
         try:
-            reply = entry.handler(data)
+            reply = entry.handler(self, data)
         except MachineError as exc:
             reply, error = Reply(codec.completion_code(exc, entry.invalid)), str(exc)
         except Exception as exc:
@@ -566,8 +474,12 @@ class IpmiServer:
         return reply
 
     def _write(self, call: Callable[..., T], *args: Any) -> T:
-        """A Machine write with a deadline: a stuck backend gets a node-busy answer, not a client timeout."""
-        assert self._writer is not None
+        """A Machine write with a deadline: a stuck backend gets a node-busy answer, not a client timeout. On the
+        server's own writer thread, made at its first write (most BMCs of a pool are only read)."""
+        if self._stopping.is_set():
+            raise BackendUnavailable("the BMC is stopping")
+        if self._writer is None:
+            self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ipmi-{self._vm}-machine")
         # In the caller's context: the backend names the actor (protocol, address, user) in its Events.
         future = self._writer.submit(contextvars.copy_context().run, call, *args)
         try:
@@ -982,6 +894,83 @@ class IpmiServer:
     def _set_lan_configuration(self, data: bytes) -> Reply:
         completion, detail = lan.set_(LAN_CHANNEL, data, self._network())
         return Reply(completion, detail=detail)
+
+
+def _command_table() -> dict[tuple[int, int], Command]:
+    """(netfn, command) -> what answers it: one table for every server of the process."""
+    chassis, app = codec.NETFN_CHASSIS, codec.NETFN_APP
+    sensor, storage, transport = sdr.NETFN_SENSOR, sdr.NETFN_STORAGE, lan.NETFN_TRANSPORT
+    user, operator = Privilege.USER, Privilege.OPERATOR
+    return {
+        (app, codec.GET_DEVICE_ID): Command("get_device_id", user, IpmiServer._get_device_id),
+        (app, codec.GET_SELF_TEST_RESULTS): Command("get_self_test_results", user, IpmiServer._get_self_test_results),
+        (app, codec.GET_DEVICE_GUID): Command("get_device_guid", user, IpmiServer._get_guid),
+        (app, codec.GET_SYSTEM_GUID): Command("get_system_guid", user, IpmiServer._get_guid),
+        (app, codec.GET_CHANNEL_AUTH_CAPABILITIES): Command(
+            "get_channel_auth_capabilities", Privilege.CALLBACK, IpmiServer._get_channel_auth_capabilities),
+        (app, codec.GET_CHANNEL_CIPHER_SUITES): Command(
+            "get_channel_cipher_suites", Privilege.CALLBACK, IpmiServer._get_channel_cipher_suites),
+        (app, codec.GET_CHANNEL_ACCESS): Command("get_channel_access", user, IpmiServer._get_channel_access),
+        (app, codec.GET_CHANNEL_INFO): Command("get_channel_info", user, IpmiServer._get_channel_info),
+        (app, codec.GET_USER_ACCESS): Command("get_user_access", operator, IpmiServer._get_user_access),
+        (app, codec.GET_USER_NAME): Command("get_user_name", operator, IpmiServer._get_user_name),
+        (app, codec.GET_USER_PAYLOAD_ACCESS): Command(
+            "get_user_payload_access", operator, IpmiServer._get_user_payload_access),
+        (chassis, codec.GET_CHASSIS_STATUS): Command("get_chassis_status", user, IpmiServer._get_chassis_status),
+        (chassis, codec.CHASSIS_CONTROL): Command("chassis_control", operator, IpmiServer._chassis_control, True),
+        (chassis, codec.CHASSIS_IDENTIFY): Command("chassis_identify", operator, IpmiServer._chassis_identify, True),
+        (chassis, codec.SET_POWER_RESTORE_POLICY): Command(
+            "set_power_restore_policy", operator, IpmiServer._set_power_restore_policy, True,
+            Completion.INVALID_DATA_FIELD),
+        (chassis, codec.SET_SYSTEM_BOOT_OPTIONS): Command(
+            "set_system_boot_options", operator, IpmiServer._set_system_boot_options, True,
+            Completion.INVALID_DATA_FIELD),
+        (chassis, codec.GET_SYSTEM_BOOT_OPTIONS): Command(
+            "get_system_boot_options", operator, IpmiServer._get_system_boot_options),
+        (chassis, codec.GET_SYSTEM_RESTART_CAUSE): Command(
+            "get_system_restart_cause", operator, IpmiServer._get_system_restart_cause),
+        (chassis, codec.GET_POH_COUNTER): Command("get_poh_counter", user, IpmiServer._get_poh_counter),
+        (app, codec.GET_ACPI_POWER_STATE): Command("get_acpi_power_state", user, IpmiServer._get_acpi_power_state),
+        (app, codec.GET_SESSION_INFO): Command("get_session_info", user, IpmiServer._get_session_info),
+        (storage, sdr.GET_SDR_REPOSITORY_INFO): Command(
+            "get_sdr_repository_info", user, IpmiServer._get_sdr_repository_info),
+        (storage, sdr.RESERVE_SDR_REPOSITORY): Command("reserve_sdr_repository", user, IpmiServer._reserve_sdr),
+        (storage, sdr.GET_SDR): Command("get_sdr", user, IpmiServer._get_sdr),
+        (sensor, sdr.GET_SENSOR_READING): Command("get_sensor_reading", user, IpmiServer._get_sensor_reading),
+        (storage, fru.GET_FRU_INVENTORY_AREA_INFO): Command(
+            "get_fru_inventory_area_info", user, IpmiServer._get_fru_area_info),
+        (storage, fru.READ_FRU_DATA): Command("read_fru_data", user, IpmiServer._read_fru_data),
+        (storage, sel.GET_SEL_INFO): Command("get_sel_info", user, IpmiServer._get_sel_info),
+        (storage, sel.RESERVE_SEL): Command("reserve_sel", user, IpmiServer._reserve_sel),
+        (storage, sel.GET_SEL_ENTRY): Command("get_sel_entry", user, IpmiServer._get_sel_entry),
+        (storage, sel.ADD_SEL_ENTRY): Command("add_sel_entry", operator, IpmiServer._add_sel_entry, True),
+        (storage, sel.CLEAR_SEL): Command("clear_sel", operator, IpmiServer._clear_sel, True),
+        (storage, sel.GET_SEL_TIME): Command("get_sel_time", user, IpmiServer._get_sel_time),
+        (storage, sel.SET_SEL_TIME): Command("set_sel_time", operator, IpmiServer._set_sel_time, True),
+        (transport, lan.GET_LAN_CONFIGURATION): Command(
+            "get_lan_configuration", operator, IpmiServer._get_lan_configuration),
+        (app, lan.SECURITY_KEYS): Command(
+            "channel_security_keys", Privilege.ADMINISTRATOR, IpmiServer._channel_security_keys),
+        (transport, lan.SET_LAN_CONFIGURATION): Command(
+            "set_lan_configuration", Privilege.ADMINISTRATOR, IpmiServer._set_lan_configuration, True),
+        (app, sol.ACTIVATE_PAYLOAD): Command("activate_payload", user, IpmiServer._activate_payload, True),
+        (app, sol.DEACTIVATE_PAYLOAD): Command("deactivate_payload", user, IpmiServer._deactivate_payload, True),
+        (app, sol.GET_PAYLOAD_ACTIVATION_STATUS): Command(
+            "get_payload_activation_status", user, IpmiServer._get_payload_activation_status),
+        (app, sol.GET_PAYLOAD_INSTANCE_INFO): Command(
+            "get_payload_instance_info", user, IpmiServer._get_payload_instance_info),
+        (app, sol.GET_CHANNEL_PAYLOAD_SUPPORT): Command(
+            "get_channel_payload_support", user, IpmiServer._get_channel_payload_support),
+        (app, sol.GET_CHANNEL_PAYLOAD_VERSION): Command(
+            "get_channel_payload_version", user, IpmiServer._get_channel_payload_version),
+        (transport, sol.GET_SOL_CONFIGURATION): Command(
+            "get_sol_configuration", user, IpmiServer._get_sol_configuration),
+        (transport, sol.SET_SOL_CONFIGURATION): Command(
+            "set_sol_configuration", Privilege.ADMINISTRATOR, IpmiServer._set_sol_configuration, True),
+    }
+
+
+IpmiServer._commands = _command_table()
 
 
 class Slot(NamedTuple):

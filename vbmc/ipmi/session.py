@@ -104,7 +104,7 @@ class SessionHost(Protocol):
 
 class Transport:
     """A sender for pyghmi's packet path, which sets its socket to blocking before each send: the server's socket
-    keeps the receive timeout its loop relies on to notice stop()."""
+    stays non-blocking, which its turns on the IPMI loop rely on (a read with nothing waiting must not wait)."""
 
     def __init__(self, sendto: Callable[[bytes, Any], int]) -> None:
         self.sendto = sendto
@@ -170,6 +170,8 @@ class RmcpPlusSession(serversession.ServerSession):
         self._last_request: tuple[int, int, int, bytes] | None = None
         self._last_reply: Reply | None = None
         self._open_response = b""
+        # The RAKP 1 and 3 answered with success, by payload type: (its payload, our answer's type and payload).
+        self._answered: dict[int, tuple[bytes, int, bytes]] = {}
         self._open(open_request, refuse)
 
     @property
@@ -194,6 +196,9 @@ class RmcpPlusSession(serversession.ServerSession):
         (length,) = struct.unpack_from("<H", packet, 14)
         if len(packet) < 16 + length:
             return False
+        if payload_type in (PAYLOAD_RAKP1, PAYLOAD_RAKP3) and self.repeated_setup(payload_type,
+                                                                                packet[16:16 + length]):
+            return True
         if payload_type == PAYLOAD_RAKP1:
             self._got_rakp1(bytearray(packet[16:16 + length]))
         elif payload_type == PAYLOAD_RAKP3:
@@ -290,6 +295,19 @@ class RmcpPlusSession(serversession.ServerSession):
         self.last_seen = time.monotonic()
         self.send_payload(self._open_response, PAYLOAD["rmcpplusopenresponse"], retry=False)
 
+    def repeated_setup(self, payload_type: int, payload: bytes) -> bool:
+        """A RAKP 1 or 3 the console sent again, byte for byte, because our answer was late or lost (ipmitool
+        sends again after a second, sooner than a loaded BMC may answer): the same RAKP 2 or 4 again. A new RAKP 2
+        would carry a new random number, and the console, which goes on with whichever answer comes first, would
+        fail its RAKP 3 as if its password were wrong; a refused RAKP 3 would undo the login it had just made."""
+        answered = self._answered.get(payload_type)
+        if answered is None or answered[0] != bytes(payload):
+            return False
+        self.last_seen = time.monotonic()
+        # As it went the first time: outside the session (an answer repeated after the session's keys took effect).
+        self.socket.sendto(rmcp.session_setup_packet(answered[1], answered[2]), self.sockaddr)
+        return True
+
     def _refuse_open(self, tag: int, status: int) -> None:
         self.state = State.CLOSED
         self.send_payload(bytes([tag, status, 0, 0]) + self._console_sid, PAYLOAD["rmcpplusopenresponse"],
@@ -338,8 +356,9 @@ class RmcpPlusSession(serversession.ServerSession):
                   + bytes([self._role, name_length]) + name)
         auth_code = hmac.new(self._kuid, signed, rakp_hash).digest()
         self.state = State.AUTHENTICATING
-        self.send_payload(bytes([tag, STATUS_OK, 0, 0]) + self._console_sid + self._rc + self.host.guid + auth_code,
-                          PAYLOAD["rakp2"], retry=False)
+        rakp2 = bytes([tag, STATUS_OK, 0, 0]) + self._console_sid + self._rc + self.host.guid + auth_code
+        self._answered[PAYLOAD_RAKP1] = (bytes(data), PAYLOAD["rakp2"], rakp2)
+        self.send_payload(rakp2, PAYLOAD["rakp2"], retry=False)
 
     def _send_rakp2_error(self, tag: int, status: int) -> None:
         self.state = State.CLOSED
@@ -374,7 +393,9 @@ class RmcpPlusSession(serversession.ServerSession):
         sik = hmac.new(self._kuid, self._rm + self._rc + role_and_name, rakp_hash).digest()
         icv = hmac.new(sik, self._rm + self._managed_sid + self.host.guid, rakp_hash).digest()[:icv_length]
         self.host.auth_succeeded(self)  # before RAKP 4 goes out: the console may act on it at once
-        self.send_payload(bytes([tag, STATUS_OK, 0, 0]) + self._console_sid + icv, PAYLOAD["rakp4"], retry=False)
+        rakp4 = bytes([tag, STATUS_OK, 0, 0]) + self._console_sid + icv
+        self._answered[PAYLOAD_RAKP3] = (bytes(data), PAYLOAD["rakp4"], rakp4)
+        self.send_payload(rakp4, PAYLOAD["rakp4"], retry=False)
         self._activate(sik)
 
     def _send_rakp4(self, tag: int, status: int) -> None:

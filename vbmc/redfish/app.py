@@ -12,6 +12,7 @@ audit line per action. Rendering lives in `resources`, request bodies in `payloa
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -114,7 +115,7 @@ def _service_root(svc: Service) -> Blueprint:
     """The service root, the versions document and the OData service and metadata documents."""
     bp = Blueprint("root", __name__)
     route, ids = svc.route, svc.ids
-    metadata = resources.metadata_xml().encode()
+    metadata = _metadata()
 
     @route(bp, "/redfish")
     def versions() -> Response:
@@ -135,6 +136,12 @@ def _service_root(svc: Service) -> Blueprint:
         return Response(metadata, headers=ODATA_HEADERS, content_type="application/xml; charset=utf-8")
 
     return bp
+
+
+@functools.cache
+def _metadata() -> bytes:
+    """The $metadata document: the same for every BMC of a process (9 KB each, else)."""
+    return resources.metadata_xml().encode()
 
 
 # Redfish-defined query parameters that do not start with "$" but that a client relies on when it sends them: refused
