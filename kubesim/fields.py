@@ -262,8 +262,11 @@ def track_update(rtype: ResourceType, old: Obj | None, new: Obj, manager: str, s
 
 
 def apply(rtype: ResourceType, live: Obj, config: Obj, manager: str, subresource: str, force: bool,
-          api_version: str, now: str) -> Obj:
-    """Merge an applied configuration into the live object; 409 Conflict on a field another manager owns."""
+          api_version: str, now: str, live_owned: bool = False) -> Obj:
+    """Merge an applied configuration into the live object; 409 Conflict on a field another manager owns.
+
+    `config` is handed over (a request's own body): the merged object takes its parts as they are. `live_owned`:
+    the live object is the caller's own too (a create), not the store's, so it is not copied first."""
     entries = read_entries(live)
     ident = (manager, "Apply", subresource)
     wanted = field_set(rtype, config, subresource)
@@ -293,7 +296,7 @@ def apply(rtype: ResourceType, live: Obj, config: Obj, manager: str, subresource
             details={"causes": causes, "kind": rtype.plural, "name": live["metadata"]["name"],
                      **({"group": rtype.group} if rtype.group else {})})
     # A copy: removal below edits in place, and the live object is shared with every reader of the store.
-    merged = _merge(rtype, (), clone(live), _scope(rtype, config, subresource))
+    merged = _merge(rtype, (), live if live_owned else clone(live), _scope(rtype, config, subresource))
     mine = _touch(entries, ident, api_version, now)
     others: set[Path] = set().union(*(e.paths for e in entries if e.ident != ident))
     for path in sorted(mine.paths - wanted, key=len, reverse=True):
@@ -334,21 +337,21 @@ def _merge(rtype: ResourceType, names: tuple[str, ...], live: Any, config: Any) 
     if isinstance(config, list) and isinstance(live, list):
         kind = list_type(rtype, names)
         if kind == ATOMIC:
-            return clone(config)
+            return config
         if kind == SET:
-            return list(live) + [clone(v) for v in config if v not in live]
+            return list(live) + [v for v in config if v not in live]
         out_list = list(live)
         for item in config:
             if not isinstance(item, dict):
-                return clone(config)
+                return config
             index = next((i for i, cur in enumerate(out_list) if isinstance(cur, dict)
                           and all(cur.get(k) == item.get(k) for k in kind)), None)
             if index is None:
-                out_list.append(clone(item))
+                out_list.append(item)
             else:
                 out_list[index] = _merge(rtype, names, out_list[index], item)
         return out_list
-    return clone(config)
+    return config  # handed over by the caller (`apply`): no copy
 
 
 def _remove(obj: Obj, path: Path) -> None:

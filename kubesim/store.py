@@ -304,7 +304,8 @@ class Store:
             if applied is not None:
                 # Merged before defaulting and validation, which see the object as it will be stored (merged
                 # after, the applied configuration would undo defaults inside the lists it replaces).
-                new = fields.apply(rtype, new, applied[1], applied[0], "", False, rtype.api_version(), now())
+                new = fields.apply(rtype, new, applied[1], applied[0], "", False, rtype.api_version(), now(),
+                                   live_owned=True)
                 new["apiVersion"] = rtype.api_version()
             self._prepare("CREATE", rtype, new, None, field_validation, warnings)
             self._validate_meta(rtype, new)
@@ -343,7 +344,8 @@ class Store:
     def patch(self, rtype: ResourceType, namespace: str, name: str, patch_type: str, body: Any, *,
               subresource: str = "", manager: str = "", force: bool = False, dry_run: bool = False,
               field_validation: str = "", warnings: Warnings = None) -> tuple[Obj, bool]:
-        """A patch of any of the four types; returns (object, created). Apply creates a missing object."""
+        """A patch of any of the four types; returns (object, created). Apply creates a missing object. An apply's
+        body is handed over (the request's own, as the server decodes it): the stored object takes its parts."""
         with self._lock:
             old = self.find(rtype, namespace, name)
             if patch_type == APPLY:
@@ -357,12 +359,13 @@ class Store:
                         raise errors.not_found(rtype.plural, name, rtype.group)
                     base = {"apiVersion": body["apiVersion"], "kind": body["kind"],
                             "metadata": {"name": name, **({"namespace": namespace} if namespace else {})}}
+                    # The body is the request's own, handed over: the new object takes its parts as they are.
                     for key in ("labels", "annotations", "finalizers", "ownerReferences", "generateName"):
                         if key in body.get("metadata", {}):
-                            base["metadata"][key] = clone(body["metadata"][key])
+                            base["metadata"][key] = body["metadata"][key]
                     for key, value in body.items():
                         if key not in ("apiVersion", "kind", "metadata"):
-                            base[key] = clone(value)
+                            base[key] = value
                     return self.create(rtype, base, namespace=namespace, dry_run=dry_run,
                                        field_validation=field_validation, warnings=warnings,
                                        applied=(manager, body), copy=False), True
