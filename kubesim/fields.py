@@ -327,6 +327,8 @@ def _scope(rtype: ResourceType, config: Obj, subresource: str) -> Obj:
 
 
 def _merge(rtype: ResourceType, names: tuple[str, ...], live: Any, config: Any) -> Any:
+    if live is config:  # a create's object is made of its applied body: nothing to merge
+        return config
     if isinstance(config, dict) and isinstance(live, dict):
         out = dict(live)
         for key, value in config.items():
