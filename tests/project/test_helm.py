@@ -136,9 +136,13 @@ def test_the_chart_renders_the_controllers_crd(chart: helm.Chart) -> None:
     crd = one(render(chart), "CustomResourceDefinition")
     assert crd["spec"] == controllers["spec"] and crd["metadata"]["name"] == controllers["metadata"]["name"]
     assert crd["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
-    # Kept when the release goes (crds.keep): deleting the CRD would delete every VirtualMachineBMC.
+    # Kept when the release goes (crds.keep): deleting the CRD would delete every VirtualMachineBMC. The schema's
+    # digest lets a release of another name find the kept CRD to be this chart's (a reinstall).
+    digest = crd["metadata"]["annotations"].pop("bmc.kubevirt.io/schema-digest")
+    assert re.fullmatch(r"[0-9a-f]{16}", digest)
     assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
-    assert "annotations" not in one(render(chart, {"crds": {"keep": False}}), "CustomResourceDefinition")["metadata"]
+    unkept = one(render(chart, {"crds": {"keep": False}}), "CustomResourceDefinition")["metadata"]
+    assert unkept["annotations"] == {"bmc.kubevirt.io/schema-digest": digest}
     assert not [o for o in render(chart, {"crds": {"enabled": False}}) if o["kind"] == "CustomResourceDefinition"]
 
 
@@ -539,13 +543,13 @@ def test_helm_upgrades_from_the_previous_chart_version_and_then_upgrades_the_crd
             make_secret(api, "bmcs")
             apply_bmc(api, "bmcs")
 
-            # The CRD that crds/ installed is not the release's: Helm refuses to take it over...
+            # The CRD that crds/ installed is not the release's, nor this chart's schema: the chart stops the
+            # upgrade (Helm would refuse to take it over) and says the one command to run...
             with pytest.raises(helm.HelmError) as refused:
                 cfg.upgrade(CHART, RELEASE, None, wait="watcher", timeout=60)
-            assert f'CustomResourceDefinition "{CRD_NAME}" in namespace "" exists and cannot be imported into the ' \
-                   "current release" in str(refused.value)
-            # ...until it carries the release's marks, the one step docs/install.md gives for this upgrade
-            # (kubectl label / kubectl annotate).
+            assert "the VirtualMachineBMC CRD is already in the cluster, held by no Helm release" in str(refused.value)
+            assert ADOPT.format(release=RELEASE, namespace=RELEASE_NS) in str(refused.value)
+            # ...until it carries the release's marks, that command (kubectl annotate and label).
             marks = {"metadata": {"labels": {"app.kubernetes.io/managed-by": "Helm"},
                                   "annotations": {"meta.helm.sh/release-name": RELEASE,
                                                   "meta.helm.sh/release-namespace": RELEASE_NS}}}
@@ -567,6 +571,54 @@ def test_helm_upgrades_from_the_previous_chart_version_and_then_upgrades_the_crd
             cfg.uninstall(RELEASE, wait="watcher", timeout=60)
         assert call(api, "GET", CRD_PATH).status == 200  # kept (crds.keep), and the BMC with it
         assert get_bmc(api, "bmcs")["metadata"]["name"] == "vm"
+    finally:
+        sim.stop()
+
+
+ADOPT = (f"kubectl annotate crd {CRD_NAME} meta.helm.sh/release-name={{release}} "
+         f"meta.helm.sh/release-namespace={{namespace}} --overwrite && kubectl label crd {CRD_NAME} "
+         "app.kubernetes.io/managed-by=Helm --overwrite")
+
+
+def test_a_reinstall_under_another_name_keeps_the_crd_and_a_foreign_crd_stops_the_install_saying_why(
+        tmp_path: Path) -> None:
+    """`helm uninstall` keeps the CRD (crds.keep); `helm install` under another release name then works, leaving the
+    kept CRD (this chart's schema) as it is and saying how to hand it over. A CRD of another schema that no release
+    holds (applied with kubectl from an older controller/crds/) stops the install with the one command to run."""
+    sim = start_sim(tmp_path / "kubesim", "--kubelet", "fake")
+    try:
+        api = sim.api()
+        create_namespace(sim, "bmcs")
+        with helm.Config(kubeconfig_path=sim.kubeconfig, namespace=RELEASE_NS) as cfg:
+            cfg.install(CHART, "first", None, create_namespace=True, timeout=60)
+            make_vm(api, "bmcs")
+            make_secret(api, "bmcs")
+            apply_bmc(api, "bmcs")
+            cfg.uninstall("first", timeout=60)
+            kept = call(api, "GET", CRD_PATH).body
+            assert kept["metadata"]["annotations"]["meta.helm.sh/release-name"] == "first"
+
+            second = cfg.install(CHART, "second", None, timeout=60)
+            assert second["status"] == "deployed"
+            assert "held by Helm release first (namespace kubevbmc-system), with this chart's" in second["notes"]
+            assert ADOPT.format(release="second", namespace=RELEASE_NS) in second["notes"]
+            assert call(api, "GET", CRD_PATH).body["metadata"]["resourceVersion"] == \
+                kept["metadata"]["resourceVersion"]  # left as it was
+            assert get_bmc(api, "bmcs")["metadata"]["name"] == "vm"
+            cfg.uninstall("second", timeout=60)
+
+            # An older schema, applied with kubectl: no release holds it, and it is not this chart's.
+            older = yaml.safe_load((REPO / "controller" / "crds" / CRD_FILE).read_text())
+            older["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"].pop(
+                "agentPool")
+            reply = call(api, "PUT", CRD_PATH, {**older, "metadata": {
+                **older["metadata"], "resourceVersion": kept["metadata"]["resourceVersion"]}})
+            assert reply.status == 200, reply.body
+            with pytest.raises(helm.HelmError) as refused:
+                cfg.install(CHART, "third", None, timeout=60)
+            assert "held by no Helm release (applied with kubectl, or by another tool)" in str(refused.value)
+            assert ADOPT.format(release="third", namespace=RELEASE_NS) in str(refused.value)
+            assert not [r for r in cfg.list() if r["name"] == "third"]  # stopped before anything was made
     finally:
         sim.stop()
 
