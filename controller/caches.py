@@ -255,7 +255,7 @@ class Caches:
         self._fleet: dict[Key, Obj] = {}  # agent Deployments as the rollout reads them (fleet_view)
         self.children["Secret"] = self.secrets
         self.bmcs.handlers.append(self._on_bmc)
-        self.vms.handlers.append(lambda old, new: self._by_index(self._by_vm, old or new))
+        self.vms.handlers.append(self._on_vm)
         # A BMC waiting on a fetch (`pending`) is not requeued on a timer: the answer enqueues it, found or not.
         self.vms.resolved.append(lambda ns, name: self._by_key(self._by_vm, ns, name))
         self.secrets.resolved.append(lambda ns, name: self._by_key(self._by_secret, ns, name))
@@ -373,6 +373,12 @@ class Caches:
             names = list(index.get((namespace, name), ()))
         for bmc in names:
             self.enqueue((namespace, bmc))
+
+    def _on_vm(self, old: Obj | None, new: Obj | None) -> None:
+        """Only what the reconciler reads of a VM (slim_vm) wakes its BMCs: not a status-only update, nor a
+        re-list that finds it unchanged."""
+        if changed(old, new):
+            self._by_index(self._by_vm, old or new)
 
     def _on_secret(self, old: Obj | None, new: Obj | None) -> None:
         if not changed(old, new):
