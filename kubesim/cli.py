@@ -113,6 +113,11 @@ def config_of(argv: list[str]) -> SimConfig:
     return config_from(parser.parse_args(argv))
 
 
+def _freeze_after_full_collection(phase: str, info: dict[str, int]) -> None:
+    if phase == "stop" and info["generation"] == 2:
+        gc.freeze()
+
+
 def run(args: Any) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -142,9 +147,13 @@ def run(args: Any) -> int:
     # allocates thousands of short-lived ones: with the default thresholds the cyclic collector kept walking the
     # whole store (about a tenth of kubesim's CPU at 1,000 VirtualMachineBMCs, measured with perf). What exists at
     # start is frozen out of collection and collections run 20 times less often; reference counting still frees
-    # nearly everything at once.
+    # nearly everything at once. What survives a full collection is frozen too, so that the next one walks only
+    # what came since: at 10,000 VirtualMachineBMCs the store is 3 GB, and each full collection walked all of it
+    # (at 3,000: four of them, 9 s of kubesim's 78 s of CPU; 5 s frozen). A cycle among frozen objects would never
+    # be collected; the store's objects hold none, and they are freed by reference counting when replaced.
     gc.freeze()
     gc.set_threshold(14_000, 10, 10)
+    gc.callbacks.append(_freeze_after_full_collection)
     if cluster.config.guests == "qemu":
         print("guests: qemu (every Running VMI is a QEMU process)", flush=True)
     else:
