@@ -106,16 +106,6 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def shards_of(pid: int) -> list[int]:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            if b"kubesim.proxyshard" in Path(f"/proc/{entry}/cmdline").read_bytes() and \
-                    int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return sorted(found)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--services", type=int, default=10000, help="Services (default %(default)s)")
@@ -138,7 +128,7 @@ def main() -> int:
         answered = sum(answers(svc["spec"]["clusterIP"], port, protocol, deadline)
                        for svc in sample for _, port, protocol in PORTS)
         served = time.monotonic() - began
-        shards = shards_of(sim.process.pid)
+        shards = sim.proxy_shards()
         limit = int(Path(f"/proc/{sim.process.pid}/limits").read_text().split("Max open files")[1].split()[0])
         print(f"{'':44}{'measured':>12}{'target':>12}")
         print(f"{'Services (3 frontends each, live Endpoints)':44}{args.services:>12}")

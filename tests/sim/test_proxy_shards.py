@@ -7,7 +7,6 @@ listening sockets where one process may hold 20,000. Here kubesim keeps 4 listen
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -78,17 +77,6 @@ def answers(call: object, *args: object) -> bytes:
     return wait_for(attempt, timeout=15, what=f"an answer from {args}")  # type: ignore[no-any-return]
 
 
-def shard_processes(sim: Sim) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-            if b"kubesim.proxyshard" in cmdline and int(ppid) == sim.process.pid:
-                found.append(int(pid))
-    return found
-
-
 def service(core: client.CoreV1Api, namespace: str, name: str, backend: Echo) -> str:
     """A Service without a selector and its Endpoints written by hand (as for an external backend)."""
     core.create_namespaced_service(namespace, {"metadata": {"name": name}, "spec": {"ports": [
@@ -112,7 +100,7 @@ def test_services_past_kubesims_share_are_served_by_shards_that_end_with_it(shar
         for i, ip in enumerate(ips):
             assert answers(tcp, ip, 80) == f"svc-{i}:hello".encode()
             assert answers(udp, ip, 623) == f"svc-{i}:hello".encode()
-        shards = shard_processes(sharded)
+        shards = sharded.proxy_shards()
         assert len(shards) == 2  # 2 Services in kubesim, 2 in the first shard, 1 in the second
 
         # The last Service is a shard's: its Endpoints move to another backend, and the shard follows them.
@@ -150,7 +138,7 @@ def test_a_shard_exits_when_kubesim_is_killed(sharded: Sim) -> None:
     try:
         ips = [service(core, "fleet", f"svc-{i}", backend) for i, backend in enumerate(backends)]
         assert answers(tcp, ips[2], 80) == b"svc-2:hello"
-        shards = shard_processes(sharded)
+        shards = sharded.proxy_shards()
         assert len(shards) == 1
         sharded.process.kill()
         sharded.process.wait()

@@ -76,6 +76,17 @@ class Sim:
     def api(self) -> client.ApiClient:
         return config.new_client_from_config(config_file=self.kubeconfig)
 
+    def proxy_shards(self) -> list[int]:
+        """The pids of the kube-proxy shard processes this kubesim started (kubesim/proxyshard.py)."""
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                if b"kubesim.proxyshard" in cmdline and int(ppid) == self.process.pid:
+                    found.append(int(pid))
+        return sorted(found)
+
     def stop(self) -> int:
         self.process.terminate()
         try:
