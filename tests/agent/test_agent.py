@@ -75,6 +75,15 @@ def test_agent_refuses_https_redfish_with_redfish_off(tmp_path: Path) -> None:
     assert "--redfish-tls-address serves Redfish: it cannot go with --redfish false" in result.stderr
 
 
+@pytest.mark.parametrize("seconds", ["-1", "nan", "90000"])
+def test_agent_refuses_a_keep_ejected_media_time_out_of_range(seconds: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "vbmc", "agent", "--backend", "memory", "--vm", "x",
+                             "--keep-ejected-media", seconds], capture_output=True, text=True, timeout=30, cwd=REPO,
+                            env={**os.environ, "VBMC_USERNAME": USER, "VBMC_PASSWORD": PASSWORD})
+    assert result.returncode == 2
+    assert "--keep-ejected-media must be between 0 and 86400 seconds" in result.stderr
+
+
 def test_agent_stops_on_sigterm(memory_agent: AgentProcess) -> None:
     assert memory_agent.stop(timeout=STOP_DEADLINE) == 0  # exit 0, not killed
     with pytest.raises(OSError):

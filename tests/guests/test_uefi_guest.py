@@ -1,7 +1,7 @@
 """UEFI guests behind the BMC: OVMF (under KVM where the host's KVM runs it, else QEMU's TCG) with the VM's own
 variable store; secure boot with Microsoft's keys enrolled and SMM on, set through Redfish: Debian's signed chain
 (shim, GRUB, kernel) boots, the unsigned ISO is refused by the firmware; a UEFI network boot through IPMI's
-`options=efiboot`."""
+`options=efiboot`; UEFI HTTP boot (Redfish's `UefiHttp` with `HttpBootUri`) boots the image at the URI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 
 from ..support.agents import AgentProcess
-from ..support.cluster import Sim
+from ..support.cluster import Sim, wait_for
 from ..support.guests import SerialTap
 from ..support.vms import get_vm, get_vmi
 from .conftest import BOOTED, SYSTEM, agent_for, boot_once, eject, insert, ipmi, redfish, reset
@@ -67,3 +67,19 @@ def test_ipmi_bootdev_pxe_efiboot_boots_the_uefi_network_loader(efi_agent: Agent
     ipmi(efi_agent, "power", "on")
     after = tap.expect(BOOTED.format("network"), since)
     tap.expect(r"KUBEVBMC-GUEST: firmware uefi", after)
+
+
+def test_uefi_http_boot_boots_the_image_at_its_uri(efi_agent: AgentProcess, tap: SerialTap, media: str) -> None:
+    """As Ironic's redfish-https boot interface sets it: no medium inserted first; the image at HttpBootUri is what
+    OVMF boots, once."""
+    reply = redfish(efi_agent, "PATCH", SYSTEM, {"Boot": {
+        "BootSourceOverrideTarget": "UefiHttp", "BootSourceOverrideEnabled": "Once",
+        "HttpBootUri": f"{media}/guest.iso"}})
+    assert reply.status_code in (200, 204), reply.text
+    since = tap.mark()
+    reset(efi_agent, "On")
+    after = tap.expect(BOOTED.format("iso"), since)
+    tap.expect(r"KUBEVBMC-GUEST: firmware uefi", after)
+    # once: the boot consumed the override
+    wait_for(lambda: redfish(efi_agent, "GET", SYSTEM).json()["Boot"]["BootSourceOverrideEnabled"] == "Disabled",
+             60, what="the UefiHttp override consumed by the boot")

@@ -260,12 +260,23 @@ def test_mc_guid_is_the_machine_uuid(bmc: IpmiServer, machine: MemoryMachine) ->
     assert "GUID Encoding : IPMI" in out
 
 
-def test_chassis_identify_is_acknowledged_and_shown(bmc: IpmiServer) -> None:
+def test_chassis_identify_is_acknowledged_and_shown(bmc: IpmiServer, machine: MemoryMachine) -> None:
+    """IPMI's identify is the machine's indicator, the one Redfish's LocationIndicatorActive shows."""
     assert "Chassis identify interval: default (15 seconds)" in ok(ipmitool(bmc, "chassis", "identify"))
     assert "Chassis Identify state              : Timed on" in ok(
         freeipmi("ipmi-chassis", bmc, "--get-chassis-status"))
+    shown = machine.identify()
+    assert shown.active and shown.blinking and shown.until is not None
+    ok(ipmitool(bmc, "chassis", "identify", "force"))
+    assert "Chassis Identify state              : Indefinite on" in ok(
+        freeipmi("ipmi-chassis", bmc, "--get-chassis-status"))
+    assert machine.identify().active and machine.identify().until is None
     ok(ipmitool(bmc, "chassis", "identify", "0"))
     assert "Chassis Identify state              : off" in ok(freeipmi("ipmi-chassis", bmc, "--get-chassis-status"))
+    assert not machine.identify().active
+    machine.set_identify(True)  # lit through Redfish: IPMI shows it too
+    assert "Chassis Identify state              : Indefinite on" in ok(
+        freeipmi("ipmi-chassis", bmc, "--get-chassis-status"))
 
 
 def test_channel_info_shows_the_lan_channel_and_its_access(bmc: IpmiServer) -> None:

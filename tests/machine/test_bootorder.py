@@ -79,6 +79,12 @@ def test_supported_targets_follow_the_devices() -> None:
     assert bootorder.supported_targets(vm([ROOT], [])) == (BootTarget.NONE, BootTarget.HDD)
     assert bootorder.supported_targets(vm([ROOT, CD], [NIC])) == (
         BootTarget.NONE, BootTarget.PXE, BootTarget.HDD, BootTarget.CD)
+    uefi = vm([ROOT, CD], [NIC])
+    uefi["spec"]["template"]["spec"]["domain"]["firmware"] = {"bootloader": {"efi": {}}}
+    # UEFI HTTP boot: under UEFI, into the cdrom (the image is imported there)
+    assert bootorder.supported_targets(uefi)[-1] == BootTarget.UEFI_HTTP
+    del uefi["spec"]["template"]["spec"]["domain"]["devices"]["disks"][1]
+    assert BootTarget.UEFI_HTTP not in bootorder.supported_targets(uefi)
 
 
 @pytest.mark.parametrize(("printable", "paused", "expected"), [

@@ -207,8 +207,9 @@ def test_virtual_media_insert_and_eject(api: client.ApiClient, namespace: str, m
         machine.insert_media(f"{image_server.base}/other.iso")
     machine.eject_media()
     assert not machine.virtual_media().inserted
-    dv = call(api, "GET", f"/apis/cdi.kubevirt.io/v1beta1/namespaces/{namespace}/datavolumes/vm-cdrom")
-    assert dv.status == 404 or dv.body["metadata"].get("deletionTimestamp")
+    assert all(v["name"] != "cdrom" for v in get_vm(api, namespace)["spec"]["template"]["spec"]["volumes"])
+    # The imported DataVolume is kept a while for an insert of the same image (Ironic ejects before inserting):
+    # tests/redfish/test_ironic_habits_kubevirt.py
 
 
 def test_a_medium_goes_into_a_running_vm_by_hotplug(api: client.ApiClient, namespace: str, machine: KubeVirtMachine,

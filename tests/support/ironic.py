@@ -42,7 +42,7 @@ def config(workdir: Path, port: int, http_port: int, power_state_change_timeout:
         log_file = {workdir / "ironic.log"}
         debug = true
         enabled_hardware_types = redfish,ipmi
-        enabled_boot_interfaces = redfish-virtual-media,pxe
+        enabled_boot_interfaces = redfish-virtual-media,pxe,redfish-https
         enabled_deploy_interfaces = ramdisk
         enabled_inspect_interfaces = redfish,no-inspect
         enabled_management_interfaces = redfish,ipmitool
@@ -51,7 +51,7 @@ def config(workdir: Path, port: int, http_port: int, power_state_change_timeout:
         enabled_network_interfaces = noop
         default_network_interface = noop
         enabled_vendor_interfaces = no-vendor,ipmitool,redfish
-        enabled_bios_interfaces = no-bios
+        enabled_bios_interfaces = no-bios,redfish
         enabled_console_interfaces = no-console
         enabled_firmware_interfaces = no-firmware
         enabled_rescue_interfaces = no-rescue
@@ -92,6 +92,11 @@ def config(workdir: Path, port: int, http_port: int, power_state_change_timeout:
 
         [agent]
         deploy_logs_collect = never
+
+        [redfish]
+        # How often BIOS settings applied without the ramdisk are checked (BootProgress, then the attributes):
+        # 60 s by default
+        firmware_update_status_interval = 5
 
         [inspector]
         add_ports = all

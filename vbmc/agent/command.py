@@ -53,6 +53,7 @@ class AgentConfig:
     media_max_size: int = 64 * 2**30  # the largest image virtual media imports
     cdi_upload_proxy: str = ""  # CDI's upload proxy ("": CDIConfig's, else its Service)
     cdi_upload_proxy_ca: str = ""  # the CA file that verifies it
+    keep_ejected_media: float = 120.0  # seconds an ejected image's DataVolume waits for the same image again
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the CA certificates that verify the upload proxy (CDI's ConfigMap "
                              "cdi-uploadproxy-signer-bundle; default: the CDIConfig's status.uploadProxyCA, else the "
                              "system's and the cluster's CAs)")
+    parser.add_argument("--keep-ejected-media", type=float, default=env("VBMC_KEEP_EJECTED_MEDIA", "120"),
+                        metavar="SECONDS",
+                        help="how long an ejected image's imported DataVolume is kept for an insert of the same image "
+                             "(Ironic ejects before every insert); 0 deletes it at the eject (default %(default)s)")
     parser.add_argument("--tls-cert", default=env("VBMC_TLS_CERT", ""), metavar="FILE")
     parser.add_argument("--tls-key", default=env("VBMC_TLS_KEY", ""), metavar="FILE")
     parser.add_argument("--subscriptions-secret", default=env("VBMC_SUBSCRIPTIONS_SECRET", ""), metavar="NAME",
@@ -129,6 +134,8 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
         problems.append("--subscriptions-secret needs the kubevirt backend")
     if vmstate.quantity_bytes(args.media_max_size) <= 0:
         problems.append(f"--media-max-size {args.media_max_size!r} is not a size (such as 64Gi)")
+    if not 0 <= args.keep_ejected_media <= 86400:
+        problems.append("--keep-ejected-media must be between 0 and 86400 seconds")
     for path in (args.tls_cert, args.tls_key, args.event_ca_file, args.cdi_upload_proxy_ca):
         if path and not os.path.exists(path):
             problems.append(f"{path} does not exist")
@@ -142,7 +149,8 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
                        threads=args.threads, subscriptions_secret=args.subscriptions_secret,
                        event_ca_file=args.event_ca_file, redfish_require_tls=args.redfish_require_tls == "true",
                        media_max_size=vmstate.quantity_bytes(args.media_max_size),
-                       cdi_upload_proxy=args.cdi_upload_proxy, cdi_upload_proxy_ca=args.cdi_upload_proxy_ca)
+                       cdi_upload_proxy=args.cdi_upload_proxy, cdi_upload_proxy_ca=args.cdi_upload_proxy_ca,
+                       keep_ejected_media=args.keep_ejected_media)
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -165,6 +173,7 @@ class PoolSettings:
     media_max_size: int = 64 * 2**30
     cdi_upload_proxy: str = ""
     cdi_upload_proxy_ca: str = ""
+    keep_ejected_media: float = 120.0
 
 
 def settings_from(args: argparse.Namespace) -> PoolSettings:
@@ -179,6 +188,8 @@ def settings_from(args: argparse.Namespace) -> PoolSettings:
         problems.append("--redfish-address (the pool's probes and metrics) must not be empty")
     if vmstate.quantity_bytes(args.media_max_size) <= 0:
         problems.append(f"--media-max-size {args.media_max_size!r} is not a size (such as 64Gi)")
+    if not 0 <= args.keep_ejected_media <= 86400:
+        problems.append("--keep-ejected-media must be between 0 and 86400 seconds")
     for path in (args.event_ca_file, args.cdi_upload_proxy_ca):
         if path and not os.path.exists(path):
             problems.append(f"{path} does not exist")
@@ -190,7 +201,8 @@ def settings_from(args: argparse.Namespace) -> PoolSettings:
                         redfish_address=args.redfish_address, secret=args.pool_secret, file=args.pool_file,
                         backend=args.backend, kubeconfig=args.kubeconfig, threads=args.threads,
                         event_ca_file=args.event_ca_file, media_max_size=vmstate.quantity_bytes(args.media_max_size),
-                        cdi_upload_proxy=args.cdi_upload_proxy, cdi_upload_proxy_ca=args.cdi_upload_proxy_ca)
+                        cdi_upload_proxy=args.cdi_upload_proxy, cdi_upload_proxy_ca=args.cdi_upload_proxy_ca,
+                        keep_ejected_media=args.keep_ejected_media)
 
 
 def _read(path: str) -> str:
@@ -213,7 +225,8 @@ def dedicated(config: AgentConfig) -> tuple[Settings, BmcSpec]:
                    ipmi_host=ipmi_host, http_host=http_host, https_host=https_host)
     settings = Settings(namespace=config.namespace, backend=config.backend, threads=config.threads,
                         event_ca_file=config.event_ca_file, media_max_size=config.media_max_size,
-                        cdi_upload_proxy=config.cdi_upload_proxy, cdi_upload_proxy_ca=config.cdi_upload_proxy_ca)
+                        cdi_upload_proxy=config.cdi_upload_proxy, cdi_upload_proxy_ca=config.cdi_upload_proxy_ca,
+                        keep_ejected_media=config.keep_ejected_media)
     return settings, spec
 
 
@@ -239,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
                                 redfish_address=pool.redfish_address, backend=pool.backend, threads=pool.threads,
                                 event_ca_file=pool.event_ca_file, media_max_size=pool.media_max_size,
                                 cdi_upload_proxy=pool.cdi_upload_proxy, cdi_upload_proxy_ca=pool.cdi_upload_proxy_ca,
+                                keep_ejected_media=pool.keep_ejected_media,
                                 source=pool.file or f"Secret {pool.secret}")
             kubeconfig, backend = pool.kubeconfig, pool.backend
         else:

@@ -78,6 +78,7 @@ class Settings:
     media_max_size: int = 64 * 2**30
     cdi_upload_proxy: str = ""  # CDI's upload proxy and its CA file (vbmc/machine/kubevirt/upload.py)
     cdi_upload_proxy_ca: str = ""
+    keep_ejected_media: float = 120.0  # seconds (KubeVirtMachine.keep_ejected)
     source: str = ""  # where the BMCs come from, for the start line
 
 
@@ -141,7 +142,8 @@ class Agent:
         machine = KubeVirtMachine(self.kube, self.settings.namespace, spec.vm, spec.name,
                                   media_max_size=self.settings.media_max_size,
                                   upload_proxy=ProxySettings(self.settings.cdi_upload_proxy,
-                                                             self.settings.cdi_upload_proxy_ca))
+                                                             self.settings.cdi_upload_proxy_ca),
+                                  keep_ejected=self.settings.keep_ejected_media)
         machine.start()
         return machine
 

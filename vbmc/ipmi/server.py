@@ -26,7 +26,16 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from ..access import audit
 from ..access.throttle import LoginThrottle, source_key
-from ..machine import BackendUnavailable, BootOverride, InvalidRequest, Machine, MachineError, PowerState, ResetType
+from ..machine import (
+    BackendUnavailable,
+    BootOverride,
+    InvalidRequest,
+    Machine,
+    MachineError,
+    PowerState,
+    ResetType,
+    Unsupported,
+)
 from ..machine.console import SerialHub, SerialViewer
 from ..machine.events import MANAGER_RESET, POWER_STATE_CHANGED, Event
 from . import codec, fru, lan, rmcp, sdr, sel, sol
@@ -124,6 +133,7 @@ class IpmiServer:
         # Chassis state the Machine does not model: identify LED and boot option parameters 0, 3 and 4.
         self._identify_until = 0.0
         self._identify_forced = False
+        self._identify_local = False  # the machine has no identify indicator: this BMC keeps its own
         self._boot_set_in_progress = 0
         self._boot_flag_valid_bit_clearing = 0
         self._boot_info_acknowledge = 0
@@ -717,17 +727,30 @@ class IpmiServer:
         return Reply(Completion.OK, detail=reset.value)
 
     def _chassis_identify(self, data: bytes) -> Reply:
+        """The machine's identify indicator (Redfish's LocationIndicatorActive is the same one, kept in the cluster
+        by the KubeVirt backend): force = on until turned off, an interval = on for that long (IPMI's identify
+        blinks), 0 = off. A machine without one keeps this BMC's own, as before."""
         interval, force = codec.identify_request(data)
-        self._identify_forced = force
-        self._identify_until = time.monotonic() + interval
+        active = force or interval > 0
+        try:
+            self._write(self.machine.set_identify, active, None if force or not active else interval, True)
+        except Unsupported:
+            self._identify_local = True
+            self._identify_forced = force
+            self._identify_until = time.monotonic() + interval
         return Reply(Completion.OK, detail="on" if force else f"{interval}s")
 
     def _identify_state(self) -> IdentifyState:
-        if self._identify_forced:
+        if self._identify_local:
+            if self._identify_forced:
+                return IdentifyState.INDEFINITE_ON
+            return IdentifyState.TEMPORARY_ON if time.monotonic() < self._identify_until else IdentifyState.OFF
+        found = self.machine.identify()
+        if not found.active:
+            return IdentifyState.OFF
+        if found.until is None:
             return IdentifyState.INDEFINITE_ON
-        if time.monotonic() < self._identify_until:
-            return IdentifyState.TEMPORARY_ON
-        return IdentifyState.OFF
+        return IdentifyState.TEMPORARY_ON if time.time() < found.until else IdentifyState.OFF
 
     def _set_power_restore_policy(self, data: bytes) -> Reply:
         codec.restore_policy_request(data)

@@ -21,6 +21,7 @@ from .model import (
     Disk,
     Health,
     HealthState,
+    Identify,
     ImageUnusable,
     InvalidRequest,
     Inventory,
@@ -29,6 +30,7 @@ from .model import (
     MediaState,
     MediaUpload,
     Nic,
+    PcieDevice,
     PowerState,
     ResetType,
     SecureBoot,
@@ -38,6 +40,6 @@ from .model import (
 )
 
 __all__ = ["STALE_READS", "UPLOAD_SCHEME", "BackendUnavailable", "BootEnabled", "BootMode", "BootOverride",
-           "BootTarget", "ConsoleUnavailable", "Disk", "Health", "HealthState", "ImageUnusable", "InvalidRequest",
-           "Inventory", "Machine", "MachineError", "MediaState", "MediaUpload", "Nic", "PowerState", "ResetType",
-           "SecureBoot", "SerialConsole", "Unsupported", "VirtualMedia"]
+           "BootTarget", "ConsoleUnavailable", "Disk", "Health", "HealthState", "Identify", "ImageUnusable",
+           "InvalidRequest", "Inventory", "Machine", "MachineError", "MediaState", "MediaUpload", "Nic",
+           "PcieDevice", "PowerState", "ResetType", "SecureBoot", "SerialConsole", "Unsupported", "VirtualMedia"]

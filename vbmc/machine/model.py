@@ -13,11 +13,22 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..access import audit
+from .errors import BackendUnavailable as BackendUnavailable
+from .errors import ConsoleUnavailable as ConsoleUnavailable
+from .errors import ImageUnusable as ImageUnusable
+from .errors import InvalidRequest as InvalidRequest
+from .errors import MachineError as MachineError
+from .errors import Unsupported as Unsupported
 from .eventlog import SystemEventLog
 from .events import POWER_STATE_CHANGED, EventBus
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .bios import BiosState, BootProgress, FirmwareImage
 
 log = logging.getLogger("vbmc.machine")
 
@@ -85,6 +96,20 @@ class BootOverride:
     target: BootTarget = BootTarget.NONE
     enabled: BootEnabled = BootEnabled.DISABLED
     mode: BootMode = BootMode.UEFI
+    # UefiHttp: the image the firmware boots (Redfish HttpBootUri); "" for any other target. Backends boot it as
+    # sushy-tools does on libvirt: imported into the virtual CD and booted from there.
+    http_boot_uri: str = ""
+
+
+@dataclass(frozen=True)
+class Identify:
+    """The chassis identify indicator (a physical BMC's blue LED): Redfish LocationIndicatorActive, IPMI chassis
+    identify. `until` is when it goes off by itself (time.time() seconds; IPMI's interval), None when it stays on
+    until turned off; `blinking` as Redfish's IndicatorLED tells Lit from Blinking (IPMI's identify blinks)."""
+
+    active: bool = False
+    until: float | None = None
+    blinking: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,6 +162,24 @@ class MediaUpload(Protocol):
 class Nic:
     name: str
     mac: str
+    link_up: bool | None = None  # None: the backend cannot tell apart from power (up while the machine runs)
+    model: str = "virtio"  # the emulated device (KubeVirt's interfaces[].model)
+
+
+@dataclass(frozen=True)
+class PcieDevice:
+    """A device on the machine's PCI(e) bus as its definition gives it: a NIC, a disk controller, a GPU or a
+    passed-through host device. Vendor and device IDs only where the emulated model fixes them (virtio, e1000...);
+    "" where nothing states them (a host device's are the host's, which KubeVirt does not report)."""
+
+    id: str
+    name: str
+    device_class: str  # DMTF PCIeFunction DeviceClass: NetworkController, MassStorageController, DisplayController...
+    model: str
+    vendor_id: str = ""  # "0x1af4"
+    device_id: str = ""
+    manufacturer: str = ""
+    address: str = ""  # the guest PCI address when the definition pins it ("0000:81:01.0")
 
 
 @dataclass(frozen=True)
@@ -163,37 +206,12 @@ class Inventory:
     secure_boot: bool = False
     architecture: str = "amd64"  # KubeVirt's spec.architecture: amd64, arm64, s390x, ppc64le
     model: str = ""  # the instancetype, else the machine type (q35)
+    cpu_model: str = ""  # the vCPU model as the definition names it (host-passthrough, Skylake-Server...); "": unstated
+    pcie_devices: tuple[PcieDevice, ...] = ()
 
     @property
     def cpu_count(self) -> int:
         return self.cpu_sockets * self.cpu_cores * self.cpu_threads
-
-
-# ---- errors: raised by backends, rendered by each frontend in its protocol
-
-
-class MachineError(Exception):
-    """Base of the typed errors a Machine raises."""
-
-
-class Unsupported(MachineError):
-    """The action exists in the protocol but this machine cannot do it (IPMI 0xCC/0xC1, Redfish 400)."""
-
-
-class InvalidRequest(MachineError):
-    """The request is malformed or not allowed in the current state (IPMI 0xCC/0xD5, Redfish 400/409)."""
-
-
-class ImageUnusable(InvalidRequest):
-    """An image cannot be inserted (not there, too large, its server not trusted); nothing was created."""
-
-
-class BackendUnavailable(MachineError):
-    """The backend cannot answer now (API server unreachable, timeout, conflict): IPMI 0xC0, Redfish 503."""
-
-    def __init__(self, message: str, retry_after: int = 5) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 class Tally:
@@ -212,11 +230,6 @@ class Tally:
 # the agent's kubevbmc_agent_stale_reads_total, what an alert on an agent cut off from its API server watches (the
 # agent stays ready meanwhile, answering busy).
 STALE_READS = Tally()
-
-
-class ConsoleUnavailable(MachineError):
-    """The serial console cannot be reached now: the machine is not running, or the backend refused it (the reason is
-    the message). IPMI SOL reports it as "character transfer unavailable" and keeps trying."""
 
 
 class SerialConsole(Protocol):
@@ -343,6 +356,32 @@ class Machine(abc.ABC):
         """Enable or disable secure boot from the next boot on; raises InvalidRequest under BIOS firmware."""
         raise Unsupported("this machine cannot change secure boot")
 
+    # BIOS settings, boot progress and firmware inventory: vbmc/machine/bios.py.
+
+    def bios(self) -> BiosState:
+        """The BIOS settings: in force for the next boot, pending (applied at the next power-on or reset), and the
+        result of the last application."""
+        raise Unsupported("this machine has no BIOS settings")
+
+    def set_bios(self, attributes: Mapping[str, object]) -> None:
+        """Make `attributes` pending for the next power-on or reset (merged with what is pending); raises
+        bios.RefusedSetting, saying why, for a value that cannot be applied."""
+        raise Unsupported("this machine has no BIOS settings")
+
+    def reset_bios(self) -> None:
+        """Make every writable attribute's default pending for the next power-on or reset (Bios.ResetBios)."""
+        raise Unsupported("this machine has no BIOS settings")
+
+    def boot_progress(self) -> BootProgress:
+        """How far the machine's boot has got, as the backend can see it."""
+        from .bios import BootProgress
+
+        return BootProgress()
+
+    def firmware_images(self) -> tuple[FirmwareImage, ...]:
+        """The firmware the machine boots (its BIOS), as far as the backend knows it."""
+        return ()
+
     def check_image(self, image: str) -> int | None:
         """Whether `image` can be inserted (raises ImageUnusable with the reason) and its size when known. Default:
         nothing to check."""
@@ -395,6 +434,15 @@ class Machine(abc.ABC):
         ConsoleUnavailable when the machine is not running, its screen is in use elsewhere or the backend
         refuses."""
         raise Unsupported("this machine has no screen")
+
+    def identify(self) -> Identify:
+        """The chassis identify indicator; the default has none (always off)."""
+        return Identify()
+
+    def set_identify(self, active: bool, seconds: int | None = None, blinking: bool = False) -> None:
+        """Light the identify indicator (for `seconds`, blinking, else until turned off, lit or `blinking`) or turn it
+        off. Kept where it survives the BMC's restart (KubeVirt: an annotation on the VM). Default: Unsupported."""
+        raise Unsupported("this machine has no identify indicator")
 
     def service_address(self) -> str:
         """The address clients reach the BMC at, when the backend knows it (KubeVirt: the VirtualMachineBMC's

@@ -27,7 +27,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from ..access import audit
 from ..access.throttle import LoginThrottle
 from ..machine import BackendUnavailable, Machine, MachineError, Unsupported
-from . import accounts, events, logs, managers, media, resources, systems, tasks
+from . import accounts, bios, events, logs, managers, media, resources, systems, tasks, updateservice
 from .errors import RedfishError, not_found
 from .eventservice import EventService, SubscriptionStore
 from .resources import ROOT, SSE_URI, Ids
@@ -45,7 +45,7 @@ except Exception:  # not installed as a distribution (a source checkout): still 
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 DEFAULT_PORTS = {"HTTP": 80, "HTTPS": 443, "IPMI": 623}  # what the agent's Service exposes (DESIGN.md 5)
-FAMILIES = (accounts, tasks, systems, managers, media, events, logs)
+FAMILIES = (accounts, tasks, systems, managers, media, events, logs, bios, updateservice)
 
 
 def create_app(machine: Machine, username: str, password: str, *, system_id: str | None = None,

@@ -131,6 +131,7 @@ MESSAGES: Mapping[str, tuple[str, str, str]] = {
         "Correct the value for the property in the request body and resubmit the request if the operation "
         "failed."),
     "Created": ("The resource was created successfully.", "OK", "None."),
+    "Success": ("The request completed successfully.", "OK", "None."),
 }
 
 

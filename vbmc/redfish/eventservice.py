@@ -60,7 +60,7 @@ _POWER_MESSAGES = {
     "Paused": ("ResourcePaused", "The resource '%1' was paused."),
 }
 _CHANGED = ("ResourceChanged", "One or more resource properties have changed.")
-_SYSTEM_CHANGES = ("BootOverrideSet", "BootOverrideConsumed", "BootOverrideCleared")
+_SYSTEM_CHANGES = ("BootOverrideSet", "BootOverrideConsumed", "BootOverrideCleared", "IdentifyOn", "IdentifyOff")
 _MEDIA_CHANGES = ("VirtualMediaInserted", "VirtualMediaEjected", "VirtualMediaImported")
 
 

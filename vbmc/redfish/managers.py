@@ -10,6 +10,7 @@ pod rolls; a pool member is rebuilt), so it is always the one served."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import urllib.parse
 
@@ -17,9 +18,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from flask import Blueprint, Response, request
 
-from . import payloads, resources
+from ..machine import PcieDevice
+from . import payloads, resources, systems
 from .errors import RedfishError, not_found
-from .service import Service
+from .service import Rendered, Service
 
 
 def certificate(pem: str) -> resources.Certificate | None:
@@ -117,10 +119,50 @@ def blueprint(svc: Service) -> Blueprint:
         return svc.static("chassis_collection", "ChassisCollection", lambda: resources.collection(
             "ChassisCollection", ids.chassis_collection, "Chassis", [ids.chassis]))
 
-    @route(bp, ids.chassis)
+    def rendered_chassis() -> Rendered:
+        key = (machine.inventory(), machine.power_state(), machine.health(), machine.identify())
+        return cache.get("chassis", "Chassis", key, lambda: resources.chassis(ids, *key))
+
+    @route(bp, ids.chassis, ("GET", "PATCH"))
     def chassis() -> Response:
-        key = (machine.inventory(), machine.power_state(), machine.health())
-        return svc.send(cache.get("chassis", "Chassis", key, lambda: resources.chassis(ids, *key)))
+        if request.method == "PATCH":
+            # Identify only: the chassis and the system are one VM, with one indicator.
+            current = rendered_chassis()
+            svc.check_if_match(current)
+            patch, refused = payloads.parse_partial_patch(payloads.ChassisPatch, svc.body(), json.loads(current.body))
+            systems.apply_indicator(machine, patch)
+            return svc.send(rendered_chassis(), etag=True, messages=refused)
+        return svc.send(rendered_chassis(), etag=True)
+
+    # ---- PCIe devices of the VM (its definition's NICs, disk controllers, GPUs, host devices): one function each
+
+    def pcie_device(name: str) -> PcieDevice:
+        found = next((d for d in machine.inventory().pcie_devices if d.id == name), None)
+        if found is None:
+            raise not_found(request.path)
+        return found
+
+    @route(bp, f"{ids.chassis}/PCIeDevices")
+    def pcie_devices() -> Response:
+        inv = machine.inventory()
+        path = f"{ids.chassis}/PCIeDevices"
+        return svc.send(cache.get("pcie_devices", "PCIeDeviceCollection", inv.pcie_devices,
+                                  lambda: resources.collection("PCIeDeviceCollection", path, "PCIe Devices",
+                                                               resources.pcie_device_paths(ids, inv))))
+
+    @route(bp, f"{ids.chassis}/PCIeDevices/<name>")
+    def pcie_device_view(name: str) -> Response:
+        return svc.send_doc("PCIeDevice", resources.pcie_device(ids, pcie_device(name)))
+
+    @route(bp, f"{ids.chassis}/PCIeDevices/<name>/PCIeFunctions")
+    def pcie_functions(name: str) -> Response:
+        path = f"{ids.chassis}/PCIeDevices/{pcie_device(name).id}/PCIeFunctions"
+        return svc.send_doc("PCIeFunctionCollection", resources.collection(
+            "PCIeFunctionCollection", path, "PCIe Functions", [f"{path}/0"]))
+
+    @route(bp, f"{ids.chassis}/PCIeDevices/<name>/PCIeFunctions/0")
+    def pcie_function(name: str) -> Response:
+        return svc.send_doc("PCIeFunction", resources.pcie_function(ids, pcie_device(name)))
 
     @route(bp, f"{ids.chassis}/Power")
     def power() -> Response:

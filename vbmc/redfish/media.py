@@ -73,7 +73,8 @@ def blueprint(svc: Service) -> Blueprint:
                         machine.check_image(patch.Image)  # before the eject: a refused image changes nothing
                     except ImageUnusable as exc:
                         raise unusable(patch.Image, exc, None) from None
-                    if machine.virtual_media(slot).inserted:
+                    shown = machine.virtual_media(slot)
+                    if shown.inserted and shown.image != patch.Image:
                         machine.eject_media(slot)  # PATCHing a new Image replaces the medium, as on a real BMC
                     try:
                         machine.insert_media(patch.Image, slot,
@@ -105,6 +106,13 @@ def blueprint(svc: Service) -> Blueprint:
                 raise RedfishError(400, "ActionParameterNotSupported", name, action, related=f"#/{name}",
                                    detail=IMAGE_CREDENTIALS)
         check_image(parsed.Image, "Image", action)
+        scheme = parsed.Image.split(":", 1)[0].upper()
+        if parsed.TransferProtocolType is not None and parsed.TransferProtocolType != scheme:
+            # Honoured, not ignored: the importer fetches the Image's own scheme, so the two must agree.
+            raise RedfishError(400, "ActionParameterValueError", "TransferProtocolType", action,
+                               related="#/TransferProtocolType",
+                               detail=f"TransferProtocolType {parsed.TransferProtocolType} does not match the Image "
+                                      f"URL's scheme ({scheme}): the image is fetched as its URL says.")
         if not parsed.Inserted:
             raise RedfishError(400, "ActionParameterValueNotInList", "false", "Inserted", action,
                                detail="Only Inserted=true is supported.", related="#/Inserted")
@@ -156,16 +164,17 @@ def image_url_problem(image: str) -> str | None:
     return None
 
 
-def unusable(image: str, exc: ImageUnusable, action: str | None) -> RedfishError:
+def unusable(image: str, exc: ImageUnusable, action: str | None, name: str = "Image") -> RedfishError:
     """400 for an image the agent already knows cannot be imported (no such host, refused, 4xx, 5xx, too large, an
-    untrusted certificate), naming the image and the reason."""
+    untrusted certificate), naming the image and the reason. `name`: the property (Image, Boot's HttpBootUri)."""
     shown = redact_url(image)
     reason = str(exc)
     detail = f"The image cannot be inserted: {reason}." if shown in reason else \
         f"The image {shown} cannot be inserted: {reason}."
+    related = "#/Boot/HttpBootUri" if name == "HttpBootUri" else f"#/{name}"
     if action is None:
-        return RedfishError(400, "PropertyValueError", "Image", related="#/Image", detail=detail)
-    return RedfishError(400, "ActionParameterValueError", "Image", action, related="#/Image", detail=detail)
+        return RedfishError(400, "PropertyValueError", name, related=related, detail=detail)
+    return RedfishError(400, "ActionParameterValueError", name, action, related=related, detail=detail)
 
 
 def check_image(image: str, name: str, action: str | None) -> None:

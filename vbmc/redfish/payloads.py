@@ -25,10 +25,23 @@ class BootPatch(_Body):
     BootSourceOverrideTarget: str | None = None
     BootSourceOverrideEnabled: Literal["Once", "Continuous", "Disabled"] | None = None
     BootSourceOverrideMode: Literal["UEFI", "Legacy"] | None = None
+    HttpBootUri: str | None = None  # null clears it (sushy sends null when it leaves UefiHttp): see model_fields_set
 
 
-class SystemPatch(_Body):
+class IndicatorPatch(_Body):
+    """Identify: LocationIndicatorActive, or the deprecated IndicatorLED older clients write (Lit and Blinking both
+    light it)."""
+
+    LocationIndicatorActive: bool | None = None
+    IndicatorLED: Literal["Lit", "Blinking", "Off"] | None = None
+
+
+class SystemPatch(IndicatorPatch):
     Boot: BootPatch | None = None
+
+
+class ChassisPatch(IndicatorPatch):
+    pass
 
 
 class SecureBootPatch(_Body):

@@ -19,8 +19,10 @@ from ..machine import (
     Disk,
     Health,
     HealthState,
+    Identify,
     Inventory,
     MediaState,
+    PcieDevice,
     PowerState,
     ResetType,
     SecureBoot,
@@ -64,14 +66,23 @@ SCHEMAS: dict[str, str] = {
     "LogEntry": "v1_21_0",
     "Power": "v1_7_3",
     "Thermal": "v1_7_3",
+    "Bios": "v1_2_3",
+    "AttributeRegistry": "v1_4_0",
+    "MessageRegistryFile": "v1_1_5",
+    "UpdateService": "v1_17_0",
+    "SoftwareInventory": "v1_13_0",
+    "PCIeDevice": "v1_21_0",
+    "PCIeFunction": "v1_7_0",
 }
 COLLECTIONS = ("ComputerSystemCollection", "ManagerCollection", "ChassisCollection", "VirtualMediaCollection",
                "SessionCollection", "ManagerAccountCollection", "RoleCollection", "EthernetInterfaceCollection",
                "ProcessorCollection", "MemoryCollection", "SimpleStorageCollection", "StorageCollection",
                "StorageControllerCollection", "VolumeCollection", "TaskCollection",
-               "DriveCollection", "EventDestinationCollection", "LogServiceCollection", "LogEntryCollection")
+               "DriveCollection", "EventDestinationCollection", "LogServiceCollection", "LogEntryCollection",
+               "PCIeDeviceCollection", "PCIeFunctionCollection",
+               "MessageRegistryFileCollection", "SoftwareInventoryCollection")
 # Referenced by the schemas above (annotations, shared types); $metadata lists them too.
-SUPPORT_SCHEMAS = ("Resource", "RedfishExtensions", "Message", "Privileges")
+SUPPORT_SCHEMAS = ("Resource", "RedfishExtensions", "Message", "Privileges", "Settings")
 
 ROLES: dict[str, tuple[str, ...]] = {
     "Administrator": ("Login", "ConfigureManager", "ConfigureUsers", "ConfigureSelf", "ConfigureComponents"),
@@ -107,7 +118,7 @@ def link(path: str) -> dict[str, str]:
     return {"@odata.id": path}
 
 
-def _head(kind: str, path: str, id_: str | None, name: str) -> dict[str, Any]:
+def resource_head(kind: str, path: str, id_: str | None, name: str) -> dict[str, Any]:
     doc: dict[str, Any] = {"@odata.id": path, "@odata.type": odata_type(kind),
                            "@odata.context": f"{METADATA}#{kind}.{kind}"}
     if id_ is not None:
@@ -118,7 +129,7 @@ def _head(kind: str, path: str, id_: str | None, name: str) -> dict[str, Any]:
 
 def collection(kind: str, path: str, name: str, members: Iterable[str]) -> dict[str, Any]:
     ids = [link(m) for m in members]
-    doc = _head(kind, path, None, name)
+    doc = resource_head(kind, path, None, name)
     doc["Members@odata.count"] = len(ids)
     doc["Members"] = ids
     return doc
@@ -174,7 +185,7 @@ def manager_uuid(machine_uuid: str) -> str:
 
 
 def service_root(ids: Ids, uuid: str, product: str, version: str) -> dict[str, Any]:
-    doc = _head("ServiceRoot", f"{ROOT}/", "RootService", "Root Service")
+    doc = resource_head("ServiceRoot", f"{ROOT}/", "RootService", "Root Service")
     doc.update({
         "RedfishVersion": REDFISH_VERSION,
         "UUID": uuid,
@@ -190,6 +201,8 @@ def service_root(ids: Ids, uuid: str, product: str, version: str) -> dict[str, A
         "Links": {"Sessions": link(f"{ROOT}/SessionService/Sessions")},
         "ProtocolFeaturesSupported": PROTOCOL_FEATURES,
         "Tasks": link(TASK_SERVICE),
+        "Registries": link(f"{ROOT}/Registries"),
+        "UpdateService": link(f"{ROOT}/UpdateService"),
     })
     return doc
 
@@ -218,7 +231,8 @@ def odata_service(ids: Ids) -> dict[str, Any]:
     singletons = [("Service", f"{ROOT}/"), ("Systems", ids.systems), ("Managers", ids.managers),
                   ("Chassis", ids.chassis_collection), ("SessionService", f"{ROOT}/SessionService"),
                   ("AccountService", f"{ROOT}/AccountService"), ("Sessions", f"{ROOT}/SessionService/Sessions"),
-                  ("EventService", EVENT_SERVICE), ("TaskService", TASK_SERVICE)]
+                  ("EventService", EVENT_SERVICE), ("TaskService", TASK_SERVICE),
+                  ("Registries", f"{ROOT}/Registries"), ("UpdateService", f"{ROOT}/UpdateService")]
     return {"@odata.context": METADATA,
             "value": [{"name": n, "kind": "Singleton", "url": u} for n, u in singletons]}
 
@@ -294,9 +308,10 @@ def manager_consoles(access: ConsoleAccess | None, has_screen: bool) -> dict[str
 
 def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targets: Sequence[BootTarget],
            resets: Sequence[ResetType], inv: Inventory, has_media: bool,
-           consoles: Mapping[str, Any] | None = None) -> dict[str, Any]:
+           consoles: Mapping[str, Any] | None = None, identify: Identify | None = None,
+           firmware: Mapping[str, Any] | None = None) -> dict[str, Any]:
     path = ids.system
-    doc = _head("ComputerSystem", path, ids.system_id, inv.name)
+    doc = resource_head("ComputerSystem", path, ids.system_id, inv.name)
     doc.update({
         "SystemType": "Virtual",
         "Manufacturer": "KubeVirt",
@@ -312,6 +327,8 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
             "BootSourceOverrideTarget@Redfish.AllowableValues": [t.value for t in targets],
             "BootSourceOverrideMode": boot.mode.value,
             "BootSourceOverrideMode@Redfish.AllowableValues": ["UEFI", "Legacy"],
+            # Always there (null when unset): sushy writes HttpBootUri only where the service shows it.
+            "HttpBootUri": redact_url(boot.http_boot_uri) or None,
         },
         "ProcessorSummary": {"Count": inv.cpu_sockets, "CoreCount": inv.cpu_sockets * inv.cpu_cores,
                              "LogicalProcessorCount": inv.cpu_count},
@@ -325,6 +342,8 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
         "Storage": link(f"{path}/Storage"),
         "SecureBoot": link(f"{path}/SecureBoot"),
         "LogServices": link(f"{path}/LogServices"),
+        "PCIeDevices": [link(p) for p in pcie_device_paths(ids, inv)],
+        "PCIeDevices@odata.count": len(inv.pcie_devices),
         "Links": {"Chassis": [link(ids.chassis)], "ManagedBy": [link(ids.manager)]},
         "Actions": {"#ComputerSystem.Reset": {
             "target": f"{path}/Actions/ComputerSystem.Reset",
@@ -332,9 +351,13 @@ def system(ids: Ids, power: PowerState, health: Health, boot: BootOverride, targ
             "ResetType@Redfish.AllowableValues": [r.value for r in resets if r != ResetType.NMI],
         }},
     })
+    if inv.cpu_model:
+        doc["ProcessorSummary"]["Model"] = inv.cpu_model
+    doc.update(indicator(identify or Identify()))
     if has_media:
         doc["VirtualMedia"] = link(f"{path}/VirtualMedia")
     doc.update(consoles or {})
+    doc.update(firmware or {})  # Bios, BiosVersion, BootProgress (vbmc/redfish/bios.py)
     if health.state != HealthState.OK and health.message:
         doc["Description"] = health.message
     return doc
@@ -345,7 +368,7 @@ def secure_boot(ids: Ids, state: SecureBoot) -> dict[str, Any]:
     (null while the system is off: there is no current boot). KubeVirt boots secure-boot VMs with OVMF's variable
     store that has the platform keys enrolled (UserMode), others with an empty one (SetupMode). No ResetKeys:
     KubeVirt has no key management."""
-    doc = _head("SecureBoot", f"{ids.system}/SecureBoot", "SecureBoot", "UEFI Secure Boot")
+    doc = resource_head("SecureBoot", f"{ids.system}/SecureBoot", "SecureBoot", "UEFI Secure Boot")
     booted = state.enabled if state.current is None else state.current
     doc.update({
         "SecureBootEnable": state.enabled,
@@ -358,9 +381,19 @@ def secure_boot(ids: Ids, state: SecureBoot) -> dict[str, Any]:
     return doc
 
 
-def ethernet_interface(ids: Ids, name: str, mac: str, power: PowerState) -> dict[str, Any]:
-    doc = _head("EthernetInterface", f"{ids.system}/EthernetInterfaces/{name}", name, f"Interface {name}")
-    up = power in (PowerState.ON, PowerState.PAUSED)
+def indicator(identify: Identify) -> dict[str, Any]:
+    """Identify as the System and the Chassis show it: LocationIndicatorActive, and the deprecated IndicatorLED for
+    clients older than it (Lit, or Blinking as it was asked for or IPMI's timed identify blinks)."""
+    led = ("Blinking" if identify.blinking else "Lit") if identify.active else "Off"
+    return {"LocationIndicatorActive": identify.active, "IndicatorLED": led}
+
+
+def ethernet_interface(ids: Ids, name: str, mac: str, power: PowerState,
+                       link_up: bool | None = None) -> dict[str, Any]:
+    """LinkStatus: what the backend knows of the link (KubeVirt: the running VMI lists the interface), else up while
+    the machine runs."""
+    doc = resource_head("EthernetInterface", f"{ids.system}/EthernetInterfaces/{name}", name, f"Interface {name}")
+    up = power in (PowerState.ON, PowerState.PAUSED) if link_up is None else link_up
     # A virtio NIC has no link speed: SpeedMbps is null (unknown) rather than an invented number.
     doc.update({"MACAddress": mac, "PermanentMACAddress": mac, "InterfaceEnabled": True, "SpeedMbps": None,
                 "LinkStatus": "LinkUp" if up else "LinkDown", "Status": _status()})
@@ -377,12 +410,47 @@ def processors(ids: Ids, inv: Inventory) -> list[str]:
 
 
 def processor(ids: Ids, inv: Inventory, index: int) -> dict[str, Any]:
-    doc = _head("Processor", f"{ids.system}/Processors/CPU{index}", f"CPU{index}", f"vCPU socket {index}")
+    doc = resource_head("Processor", f"{ids.system}/Processors/CPU{index}", f"CPU{index}", f"vCPU socket {index}")
     architecture, instruction_set = ARCHITECTURES.get(inv.architecture, ("OEM", "OEM"))
     doc.update({"Socket": f"CPU {index}", "ProcessorType": "CPU", "ProcessorArchitecture": architecture,
                 "InstructionSet": instruction_set, "TotalCores": inv.cpu_cores,
                 "TotalThreads": inv.cpu_cores * inv.cpu_threads, "TotalEnabledCores": inv.cpu_cores,
                 "Status": _status()})
+    if inv.cpu_model:
+        doc["Model"] = inv.cpu_model  # KubeVirt's cpu.model: a libvirt CPU model, host-model or host-passthrough
+    return doc
+
+
+# ---- PCIe devices: under the Chassis (PCIeDevice v1_4_0 on), listed by the System (ComputerSystem.PCIeDevices)
+
+
+def pcie_device_paths(ids: Ids, inv: Inventory) -> list[str]:
+    return [f"{ids.chassis}/PCIeDevices/{d.id}" for d in inv.pcie_devices]
+
+
+def pcie_device(ids: Ids, dev: PcieDevice) -> dict[str, Any]:
+    """One device, one function: what the VM's definition states of it, nothing more (no slot, no lanes)."""
+    path = f"{ids.chassis}/PCIeDevices/{dev.id}"
+    doc = resource_head("PCIeDevice", path, dev.id, dev.name)
+    doc.update({"DeviceType": "SingleFunction", "Model": dev.model, "Status": _status(),
+                "PCIeFunctions": link(f"{path}/PCIeFunctions"),
+                "Links": {"Chassis": [link(ids.chassis)]}})
+    if dev.manufacturer:
+        doc["Manufacturer"] = dev.manufacturer
+    if dev.address:
+        doc["Description"] = f"At the guest PCI address {dev.address}, as the VM's definition pins it."
+    return doc
+
+
+def pcie_function(ids: Ids, dev: PcieDevice) -> dict[str, Any]:
+    path = f"{ids.chassis}/PCIeDevices/{dev.id}/PCIeFunctions/0"
+    doc = resource_head("PCIeFunction", path, "0", f"{dev.name}, function 0")
+    doc.update({"FunctionId": 0, "FunctionType": "Physical", "DeviceClass": dev.device_class, "Status": _status(),
+                "Links": {"PCIeDevice": link(f"{ids.chassis}/PCIeDevices/{dev.id}")}})
+    if dev.vendor_id and dev.device_id:
+        doc.update({"VendorId": dev.vendor_id, "DeviceId": dev.device_id})
+    if dev.id.startswith("nic-"):
+        doc["Links"]["EthernetInterfaces"] = [link(f"{ids.system}/EthernetInterfaces/{dev.id.removeprefix('nic-')}")]
     return doc
 
 
@@ -390,7 +458,7 @@ MEMORY_ID = "DIMM0"
 
 
 def memory(ids: Ids, inv: Inventory) -> dict[str, Any]:
-    doc = _head("Memory", f"{ids.system}/Memory/{MEMORY_ID}", MEMORY_ID, "Guest memory")
+    doc = resource_head("Memory", f"{ids.system}/Memory/{MEMORY_ID}", MEMORY_ID, "Guest memory")
     doc.update({"MemoryType": "DRAM", "CapacityMiB": inv.memory_bytes // 2**20, "Status": _status()})
     return doc
 
@@ -408,7 +476,7 @@ def sized_disks(inv: Inventory) -> list[Disk]:
 
 
 def simple_storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
-    doc = _head("SimpleStorage", f"{ids.system}/SimpleStorage/{STORAGE_ID}", STORAGE_ID, "Virtual disks")
+    doc = resource_head("SimpleStorage", f"{ids.system}/SimpleStorage/{STORAGE_ID}", STORAGE_ID, "Virtual disks")
     doc.update({"Devices": [{"Name": d.name, "CapacityBytes": d.size_bytes, "Manufacturer": "KubeVirt",
                              "Model": f"{d.bus or 'virtio'} disk", "Status": _status()} for d in disks(inv)],
                 "Status": _status()})
@@ -422,7 +490,7 @@ def drive_paths(ids: Ids, inv: Inventory) -> list[str]:
 
 def storage(ids: Ids, inv: Inventory) -> dict[str, Any]:
     path = f"{ids.system}/Storage/{STORAGE_ID}"
-    doc = _head("Storage", path, STORAGE_ID, "Virtual disks")
+    doc = resource_head("Storage", path, STORAGE_ID, "Virtual disks")
     drives = [link(p) for p in drive_paths(ids, inv)]
     doc.update({"Drives@odata.count": len(drives), "Drives": drives, "Status": _status(),
                 "Controllers": link(f"{path}/Controllers"), "Volumes": link(f"{path}/Volumes")})
@@ -442,7 +510,7 @@ VOLUME_APPLY_TIMES = ("OnReset",)
 def storage_controller(ids: Ids, inv: Inventory) -> dict[str, Any]:
     """The VM's disk controllers as one: what its disks are attached through, making single-drive RAID0 volumes."""
     path = f"{ids.system}/Storage/{STORAGE_ID}/Controllers/{CONTROLLER_ID}"
-    doc = _head("StorageController", path, CONTROLLER_ID, "Virtual disk controller")
+    doc = resource_head("StorageController", path, CONTROLLER_ID, "Virtual disk controller")
     protocols = sorted({PROTOCOLS.get(d.bus, "PCIe") for d in disks(inv)})
     doc.update({"Status": _status(), "SupportedControllerProtocols": ["PCIe"],
                 "SupportedDeviceProtocols": protocols, "SupportedRAIDTypes": list(RAID_TYPES)})
@@ -464,7 +532,7 @@ def volume(ids: Ids, disk: Disk, created: bool = False) -> dict[str, Any]:
     """A disk as a volume of one drive. RAIDType RAID0 only for the volumes this controller made (and may delete
     again); the VM's own disks are not RAID volumes, and Ironic's RAID interface leaves volumes without a
     RAIDType alone (update_raid_config, delete_configuration)."""
-    doc = _head("Volume", f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{disk.name}", disk.name, disk.name)
+    doc = resource_head("Volume", f"{ids.system}/Storage/{STORAGE_ID}/Volumes/{disk.name}", disk.name, disk.name)
     doc.update({"CapacityBytes": disk.size_bytes, "Status": _status(),
                 "Links": {"Drives": [link(f"{ids.chassis}/Drives/{disk.name}")]}})
     if created:
@@ -475,7 +543,7 @@ def volume(ids: Ids, disk: Disk, created: bool = False) -> dict[str, Any]:
 def drive(ids: Ids, disk: Disk) -> dict[str, Any]:
     """MediaType: DMTF has no value for a virtual disk; SSD says what Ironic asks it for (not rotational: no seek
     time of its own). Protocol: the disk's bus."""
-    doc = _head("Drive", f"{ids.chassis}/Drives/{disk.name}", disk.name, f"Disk {disk.name}")
+    doc = resource_head("Drive", f"{ids.chassis}/Drives/{disk.name}", disk.name, f"Disk {disk.name}")
     doc.update({"CapacityBytes": disk.size_bytes, "MediaType": "SSD", "Protocol": PROTOCOLS.get(disk.bus, "PCIe"),
                 "Manufacturer": "KubeVirt", "Model": f"{disk.bus or 'virtio'} disk", "Status": _status()})
     return doc
@@ -488,7 +556,7 @@ TASKS = f"{TASK_SERVICE}/Tasks"
 
 
 def task_service() -> dict[str, Any]:
-    doc = _head("TaskService", TASK_SERVICE, "TaskService", "Task Service")
+    doc = resource_head("TaskService", TASK_SERVICE, "TaskService", "Task Service")
     doc.update({"ServiceEnabled": True, "CompletedTaskOverWritePolicy": "Oldest",
                 "LifeCycleEventOnTaskStateChange": False, "Status": _status(), "Tasks": link(TASKS)})
     return doc
@@ -496,7 +564,7 @@ def task_service() -> dict[str, Any]:
 
 def task(task: Any) -> dict[str, Any]:
     """A virtual media insert as a Task (vbmc/redfish/tasks.py)."""
-    doc = _head("Task", f"{TASKS}/{task.id}", task.id, f"Insert {task.shown_image} into {task.slot}")
+    doc = resource_head("Task", f"{TASKS}/{task.id}", task.id, f"Insert {task.shown_image} into {task.slot}")
     failed = task.state == "Exception"
     doc.update({
         "TaskState": task.state,
@@ -524,7 +592,7 @@ def _iso(seconds: float) -> str:
 def virtual_media(base: str, media: VirtualMedia) -> dict[str, Any]:
     """`base` is the collection the medium is reached through (the Manager's or the System's)."""
     path = f"{base}/{media.slot}"
-    doc = _head("VirtualMedia", path, media.slot, f"Virtual {media.slot}")
+    doc = resource_head("VirtualMedia", path, media.slot, f"Virtual {media.slot}")
     if media.state == MediaState.ABSENT:
         # A slot with no drive behind it: "Absent" is Redfish's "a location where a device can be installed".
         # No actions are offered, and the Description says what is missing.
@@ -550,13 +618,18 @@ def virtual_media(base: str, media: VirtualMedia) -> dict[str, Any]:
         "Status": _status(HealthState.WARNING if failed else HealthState.OK,
                           "Starting" if media.state == MediaState.INSERTING else "Enabled"),
         "Actions": {
-            "#VirtualMedia.InsertMedia": {"target": f"{path}/Actions/VirtualMedia.InsertMedia"},
+            "#VirtualMedia.InsertMedia": {"target": f"{path}/Actions/VirtualMedia.InsertMedia",
+                                          # What CDI's importer fetches (Ironic picks from this list).
+                                          "TransferProtocolType@Redfish.AllowableValues": list(TRANSFER_PROTOCOLS)},
             "#VirtualMedia.EjectMedia": {"target": f"{path}/Actions/VirtualMedia.EjectMedia"},
         },
     })
     if media.message:
         doc["Description"] = media.message
     return doc
+
+
+TRANSFER_PROTOCOLS = ("HTTP", "HTTPS")
 
 
 # ---- manager and chassis
@@ -571,7 +644,7 @@ def manager(ids: Ids, uuid: str, version: str, has_media: bool,
             consoles: Mapping[str, Any] | None = None, oem: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The BMC: the agent (FirmwareVersion is its version); `oem` is what Oem.KubeVBMC says of it (`manager_oem`)."""
     path = ids.manager
-    doc = _head("Manager", path, ids.manager_id, "KubeVBMC virtual BMC")
+    doc = resource_head("Manager", path, ids.manager_id, "KubeVBMC virtual BMC")
     doc.update({
         "ManagerType": "BMC",
         "UUID": uuid,
@@ -627,8 +700,9 @@ def manager_oem(host: str, ports: Mapping[str, int], page: bool, tls: Certificat
     }
 
 
-def chassis(ids: Ids, inv: Inventory, power: PowerState, health: Health) -> dict[str, Any]:
-    doc = _head("Chassis", ids.chassis, ids.chassis_id, f"{inv.name} chassis")
+def chassis(ids: Ids, inv: Inventory, power: PowerState, health: Health,
+            identify: Identify | None = None) -> dict[str, Any]:
+    doc = resource_head("Chassis", ids.chassis, ids.chassis_id, f"{inv.name} chassis")
     on = power in (PowerState.ON, PowerState.PAUSED, PowerState.POWERING_OFF)
     doc.update({
         # A virtual machine has no enclosure; "Other" is the honest ChassisType.
@@ -636,8 +710,12 @@ def chassis(ids: Ids, inv: Inventory, power: PowerState, health: Health) -> dict
         "Manufacturer": "KubeVirt",
         "Model": inv.model or "KubeVirt VirtualMachine",
         "SerialNumber": inv.serial,
+        # The VM is its own enclosure: the chassis has the system's UUID (the VM's firmware UUID).
+        "UUID": inv.uuid,
         "PowerState": "On" if on else "Off",
         "Status": _status(health.state),
+        **indicator(identify or Identify()),
+        "PCIeDevices": link(f"{ids.chassis}/PCIeDevices"),
         "Drives": link(f"{ids.chassis}/Drives"),
         "Power": link(f"{ids.chassis}/Power"),
         "Thermal": link(f"{ids.chassis}/Thermal"),
@@ -651,7 +729,7 @@ def power(ids: Ids) -> dict[str, Any]:
     """A VM has no power supply, no meter and no cap: no PowerControl, no PowerSupplies, nothing measured, nothing
     invented. (Power and Thermal are deprecated for PowerSubsystem and ThermalSubsystem; the OCP baseline and
     Ironic's profile still read them.)"""
-    doc = _head("Power", f"{ids.chassis}/Power", "Power", "Power")
+    doc = resource_head("Power", f"{ids.chassis}/Power", "Power", "Power")
     doc.update({"Description": "A virtual machine draws no power of its own that anything measures or limits.",
                 "PowerControl": [], "PowerSupplies": []})
     return doc
@@ -659,7 +737,7 @@ def power(ids: Ids) -> dict[str, Any]:
 
 def thermal(ids: Ids) -> dict[str, Any]:
     """A VM has no fan and no temperature sensor: empty lists, not readings made up."""
-    doc = _head("Thermal", f"{ids.chassis}/Thermal", "Thermal", "Thermal")
+    doc = resource_head("Thermal", f"{ids.chassis}/Thermal", "Thermal", "Thermal")
     doc.update({"Description": "A virtual machine has no fans and no temperature sensors.", "Fans": [],
                 "Temperatures": [], "Status": _status()})
     return doc
@@ -669,8 +747,8 @@ def manager_interface(ids: Ids, host_name: str, fqdn: str | None, address: str) 
     """How clients reach the BMC: the Kubernetes Service's address and names (the agent's pod address changes with
     every restart). A Service has no MAC, no link speed and no gateway of its own: those are null, not invented;
     its ClusterIP is one address (a /32), assigned by the cluster (Static to the BMC: nothing it can change)."""
-    doc = _head("EthernetInterface", f"{ids.manager}/EthernetInterfaces/{MANAGER_NIC}", MANAGER_NIC,
-                "Kubernetes Service")
+    doc = resource_head("EthernetInterface", f"{ids.manager}/EthernetInterfaces/{MANAGER_NIC}", MANAGER_NIC,
+                        "Kubernetes Service")
     doc.update({
         "Description": "The Service clients reach this BMC through.",
         "MACAddress": None, "PermanentMACAddress": None, "SpeedMbps": None, "InterfaceEnabled": True,
@@ -693,7 +771,7 @@ AUDIT_LOG = "AuditLog"
 
 def log_service(path: str, id_: str, name: str, description: str, entry_type: str, capacity: int,
                 overwrite: str, now: float) -> dict[str, Any]:
-    doc = _head("LogService", path, id_, name)
+    doc = resource_head("LogService", path, id_, name)
     doc.update({
         "Description": description, "MaxNumberOfRecords": capacity, "OverWritePolicy": overwrite,
         "DateTime": _iso(now), "DateTimeLocalOffset": "+00:00", "ServiceEnabled": True, "LogEntryType": entry_type,
@@ -705,8 +783,8 @@ def log_service(path: str, id_: str, name: str, description: str, entry_type: st
 
 def sel_entry(base: str, record: LogRecord) -> dict[str, Any]:
     """A system event log record; an entry an IPMI client added is shown as the bytes it added."""
-    doc = _head("LogEntry", f"{base}/Entries/{record.record_id}", str(record.record_id),
-                f"SEL entry {record.record_id}")
+    doc = resource_head("LogEntry", f"{base}/Entries/{record.record_id}", str(record.record_id),
+                        f"SEL entry {record.record_id}")
     message = record.message or f"An IPMI client added this SEL entry: {record.raw.hex(' ')}."
     doc.update({"EntryType": "SEL", "Created": _iso(record.stamp), "Message": message,
                 "Severity": "Warning" if record.kind == "Warning" else "OK"})
@@ -716,7 +794,8 @@ def sel_entry(base: str, record: LogRecord) -> dict[str, Any]:
 def audit_entry(base: str, entry: Any) -> dict[str, Any]:
     """An audit record: who did what, through which protocol, from where, and how it ended."""
     f = entry.fields
-    doc = _head("LogEntry", f"{base}/Entries/{entry.entry_id}", str(entry.entry_id), f"Audit entry {entry.entry_id}")
+    doc = resource_head("LogEntry", f"{base}/Entries/{entry.entry_id}", str(entry.entry_id),
+                        f"Audit entry {entry.entry_id}")
     who = f"user {f['user']}" if f.get("user", "-") != "-" else "no user"
     doc.update({"EntryType": "Event", "Created": _iso(entry.stamp),
                 "Message": f"{f['action']} by {who} through {f['protocol']} from {f['source']}: {f['result']}",
@@ -726,8 +805,8 @@ def audit_entry(base: str, entry: Any) -> dict[str, Any]:
 
 def network_protocol(ids: Ids, host_name: str, fqdn: str | None, ports: dict[str, int]) -> dict[str, Any]:
     """The ports clients reach this BMC on (the Service's, not the pod's unprivileged ones)."""
-    doc = _head("ManagerNetworkProtocol", f"{ids.manager}/NetworkProtocol", "NetworkProtocol",
-                "Manager Network Protocol")
+    doc = resource_head("ManagerNetworkProtocol", f"{ids.manager}/NetworkProtocol", "NetworkProtocol",
+                        "Manager Network Protocol")
     doc.update({"HostName": host_name, "FQDN": fqdn, "Status": _status()})
     for protocol in ("HTTP", "HTTPS", "IPMI"):
         port = ports.get(protocol)
@@ -739,7 +818,7 @@ def network_protocol(ids: Ids, host_name: str, fqdn: str | None, ports: dict[str
 
 
 def session_service(timeout: int) -> dict[str, Any]:
-    doc = _head("SessionService", f"{ROOT}/SessionService", "SessionService", "Session Service")
+    doc = resource_head("SessionService", f"{ROOT}/SessionService", "SessionService", "Session Service")
     doc.update({"ServiceEnabled": True, "SessionTimeout": timeout, "Status": _status(),
                 "Sessions": link(f"{ROOT}/SessionService/Sessions")})
     return doc
@@ -748,7 +827,7 @@ def session_service(timeout: int) -> dict[str, Any]:
 def session(s: Session, viewers: Sequence[Viewer] = (), current: bool = False) -> dict[str, Any]:
     """A session: who (UserName), from where (ClientOriginIPAddress), since when, through what (SessionType: Redfish,
     or WebUI for the BMC's page), and under Oem.KubeVBMC the consoles it has open and whether it is the caller's."""
-    doc = _head("Session", f"{ROOT}/SessionService/Sessions/{s.id}", s.id, f"Session {s.id}")
+    doc = resource_head("Session", f"{ROOT}/SessionService/Sessions/{s.id}", s.id, f"Session {s.id}")
     doc.update({"UserName": s.username, "Password": None, "SessionType": s.kind, "CreatedTime": s.created})
     if s.origin:
         doc["ClientOriginIPAddress"] = s.origin
@@ -761,7 +840,7 @@ def session(s: Session, viewers: Sequence[Viewer] = (), current: bool = False) -
 
 
 def account_service() -> dict[str, Any]:
-    doc = _head("AccountService", f"{ROOT}/AccountService", "AccountService", "Account Service")
+    doc = resource_head("AccountService", f"{ROOT}/AccountService", "AccountService", "Account Service")
     doc.update({"ServiceEnabled": True, "LocalAccountAuth": "Enabled", "Status": _status(),
                 "Accounts": link(f"{ROOT}/AccountService/Accounts"),
                 "Roles": link(f"{ROOT}/AccountService/Roles")})
@@ -769,7 +848,7 @@ def account_service() -> dict[str, Any]:
 
 
 def account(username: str) -> dict[str, Any]:
-    doc = _head("ManagerAccount", f"{ROOT}/AccountService/Accounts/{ACCOUNT_ID}", ACCOUNT_ID, "User Account")
+    doc = resource_head("ManagerAccount", f"{ROOT}/AccountService/Accounts/{ACCOUNT_ID}", ACCOUNT_ID, "User Account")
     doc.update({"UserName": username, "RoleId": "Administrator", "Enabled": True, "Locked": False,
                 "Password": None, "AccountTypes": ["Redfish", "IPMI"],
                 "Links": {"Role": link(f"{ROOT}/AccountService/Roles/Administrator")}})
@@ -777,7 +856,7 @@ def account(username: str) -> dict[str, Any]:
 
 
 def role(role_id: str) -> dict[str, Any]:
-    doc = _head("Role", f"{ROOT}/AccountService/Roles/{role_id}", role_id, f"{role_id} role")
+    doc = resource_head("Role", f"{ROOT}/AccountService/Roles/{role_id}", role_id, f"{role_id} role")
     doc.update({"RoleId": role_id, "IsPredefined": True, "AssignedPrivileges": list(ROLES[role_id])})
     return doc
 
@@ -786,7 +865,7 @@ def role(role_id: str) -> dict[str, Any]:
 
 
 def event_service(attempts: int, interval: int, prefixes: Sequence[str], types: Sequence[str]) -> dict[str, Any]:
-    doc = _head("EventService", EVENT_SERVICE, "EventService", "Event Service")
+    doc = resource_head("EventService", EVENT_SERVICE, "EventService", "Event Service")
     doc.update({
         "ServiceEnabled": True,
         "Status": _status(),
@@ -809,7 +888,7 @@ def event_service(attempts: int, interval: int, prefixes: Sequence[str], types: 
 
 def event_destination(sub: Any) -> dict[str, Any]:
     """`sub` is a vbmc.eventservice.Subscription. HttpHeaders are never shown (DSP0266: empty in responses)."""
-    doc = _head("EventDestination", f"{SUBSCRIPTIONS}/{sub.id}", sub.id, f"Event subscription {sub.id}")
+    doc = resource_head("EventDestination", f"{SUBSCRIPTIONS}/{sub.id}", sub.id, f"Event subscription {sub.id}")
     origins = [link(o) for o in sub.origin_resources]
     enabled = sub.state == "Enabled"
     doc.update({

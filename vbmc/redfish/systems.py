@@ -14,12 +14,14 @@ from ..machine import (
     BootMode,
     BootOverride,
     BootTarget,
+    ImageUnusable,
     InvalidRequest,
     Inventory,
+    Machine,
     ResetType,
     Unsupported,
 )
-from . import payloads, resources
+from . import bios, media, payloads, resources
 from .errors import RedfishError, not_found
 from .resources import Ids
 from .service import Rendered, Service
@@ -32,10 +34,12 @@ def blueprint(svc: Service) -> Blueprint:
     def rendered_system() -> Rendered:
         key = (machine.power_state(), machine.health(), machine.boot_override(), machine.supported_boot_targets(),
                machine.supported_reset_types(), machine.inventory(), machine.media_slots(),
-               machine.has_serial_console(), machine.has_screen())
+               machine.has_serial_console(), machine.has_screen(), machine.boot_progress(),
+               machine.firmware_images(), machine.identify())
         return cache.get("system", "ComputerSystem", key, lambda: resources.system(
             ids, key[0], key[1], key[2], key[3], key[4], key[5], bool(key[6]),
-            resources.system_consoles(svc.consoles, key[7], key[8])))
+            resources.system_consoles(svc.consoles, key[7], key[8]),
+            firmware=bios.system_firmware(ids, key[9], key[10]), identify=key[-1]))
 
     @route(bp, ids.systems)
     def systems() -> Response:
@@ -53,6 +57,7 @@ def blueprint(svc: Service) -> Blueprint:
         svc.check_if_match(current)
         readonly = json.loads(current.body)
         patch, refused = payloads.parse_partial_patch(payloads.SystemPatch, svc.body(), readonly)
+        apply_indicator(machine, patch)
         if patch.Boot is not None:
             old = machine.boot_override()
             boot = patch.Boot
@@ -65,8 +70,11 @@ def blueprint(svc: Service) -> Blueprint:
                 target = BootTarget(boot.BootSourceOverrideTarget)
             enabled = BootEnabled(boot.BootSourceOverrideEnabled) if boot.BootSourceOverrideEnabled else old.enabled
             mode = BootMode(boot.BootSourceOverrideMode) if boot.BootSourceOverrideMode else old.mode
+            uri = http_boot_uri(boot, target, old.http_boot_uri)
             try:
-                machine.set_boot_override(BootOverride(target, enabled, mode))
+                machine.set_boot_override(BootOverride(target, enabled, mode, uri))
+            except ImageUnusable as exc:
+                raise media.unusable(uri, exc, None, "HttpBootUri") from None
             except InvalidRequest as exc:
                 raise RedfishError(400, "GeneralError", detail=str(exc)) from None
             except Unsupported as exc:
@@ -122,7 +130,8 @@ def blueprint(svc: Service) -> Blueprint:
             raise not_found(request.path)
         power = machine.power_state()
         return svc.send(cache.get(f"nic:{name}", "EthernetInterface", (found, power),
-                                  lambda: resources.ethernet_interface(ids, found.name, found.mac, power)))
+                                  lambda: resources.ethernet_interface(ids, found.name, found.mac, power,
+                                                                     found.link_up)))
 
     @route(bp, f"{ids.system}/Processors")
     def cpus() -> Response:
@@ -235,3 +244,38 @@ def blueprint(svc: Service) -> Blueprint:
         return svc.send_doc("Volume", resources.volume(ids, found, created=found.created))
 
     return bp
+
+
+def http_boot_uri(boot: payloads.BootPatch, target: BootTarget, old: str) -> str:
+    """The HttpBootUri a Boot PATCH leaves: the one it sends (null clears it), else the one set before; only with
+    UefiHttp, which it belongs to (another target drops it). A URI sent with another target is a conflict."""
+    sent = "HttpBootUri" in boot.model_fields_set
+    uri = (boot.HttpBootUri or "") if sent else old
+    if sent and uri and target != BootTarget.UEFI_HTTP:
+        raise RedfishError(400, "PropertyValueConflict", "HttpBootUri", "BootSourceOverrideTarget",
+                           related="#/Boot/HttpBootUri",
+                           detail="HttpBootUri is what UefiHttp boots: set BootSourceOverrideTarget to UefiHttp.")
+    if target != BootTarget.UEFI_HTTP:
+        return ""
+    if sent and uri:
+        media.check_image(uri, "HttpBootUri", None)
+    return uri
+
+
+def apply_indicator(machine: Machine, patch: payloads.IndicatorPatch) -> None:
+    """Identify from a System or Chassis PATCH: LocationIndicatorActive, or IndicatorLED (Lit or Blinking: on)."""
+    wanted = patch.LocationIndicatorActive
+    blinking = machine.identify().blinking if wanted else False  # LocationIndicatorActive keeps the LED's style
+    if patch.IndicatorLED is not None:
+        led = patch.IndicatorLED != "Off"
+        if wanted is not None and wanted != led:
+            raise RedfishError(400, "PropertyValueConflict", "IndicatorLED", "LocationIndicatorActive",
+                               related="#/IndicatorLED")
+        wanted, blinking = led, patch.IndicatorLED == "Blinking"
+    if wanted is None:
+        return
+    try:
+        machine.set_identify(wanted, None, blinking)
+    except Unsupported as exc:
+        raise RedfishError(400, "PropertyNotWritable", "LocationIndicatorActive", detail=str(exc),
+                           related="#/LocationIndicatorActive") from None

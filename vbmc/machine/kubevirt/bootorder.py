@@ -56,6 +56,10 @@ def supported_targets(vm: Obj) -> tuple[BootTarget, ...]:
         targets.append(BootTarget.HDD)
     if any(is_cdrom(d) for d in disks):
         targets.append(BootTarget.CD)
+        spec = ((vm.get("spec") or {}).get("template") or {}).get("spec") or {}
+        if "efi" in (((spec.get("domain") or {}).get("firmware") or {}).get("bootloader") or {}):
+            # UEFI HTTP boot: the image is imported into the cdrom and booted from there (machine.py).
+            targets.append(BootTarget.UEFI_HTTP)
     return tuple(targets)
 
 

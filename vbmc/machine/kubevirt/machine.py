@@ -13,12 +13,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
 from ...access import audit
+from .. import bios as machine_bios
+from ..bios import BiosState, BootProgress, FirmwareImage
 from ..model import (
     STALE_READS,
     UPLOAD_SCHEME,
@@ -29,6 +31,7 @@ from ..model import (
     BootTarget,
     ConsoleUnavailable,
     Health,
+    Identify,
     ImageUnusable,
     InvalidRequest,
     Inventory,
@@ -43,6 +46,7 @@ from ..model import (
     Unsupported,
     VirtualMedia,
 )
+from . import bios as kvbios
 from . import bootorder, console, firmware, imagecheck, upload, vmstate
 from .client import KubeClient, KubeError, Unreachable, merge_patched
 from .watch import ObjectWatch, confirm, confirm_soon
@@ -61,6 +65,11 @@ SETTLE = 0.3  # seconds a write waits for the watch cache to show it (normally m
 STALE_RETRY_AFTER = 2  # Retry-After for a read refused from a stale cache: it serves again within a second of an answer
 CLAIM_TTL = 2.0  # seconds the claims read for an inventory are reused
 MEDIUM_INSERTED = "a medium is already inserted: eject it first"
+NO_HTTP_BOOT_URI = ("UefiHttp needs HttpBootUri: this BMC boots the image at that URI (imported into the VM's "
+                    "cdrom); there is no DHCP-provided boot URI to fall back on")
+HTTP_BOOT = "bmc.kubevirt.io/http-boot"  # on a medium's DataVolume: imported for UEFI HTTP boot, not by a client
+# On the VM: "on" or "blinking" (until turned off), or the time it goes off (RFC 3339; IPMI's timed identify).
+IDENTIFY = "bmc.kubevirt.io/identify"
 MEDIUM_UPLOADING = "a medium is being uploaded into this slot: wait for it, or cancel it"
 UPLOAD_NAME = "bmc.kubevirt.io/upload-name"  # on an uploaded medium's DataVolume: the client's file name
 UPLOAD_READY_TIMEOUT = 300.0  # for CDI's upload pod to be ready (virtctl image-upload's --wait-secs default)
@@ -78,7 +87,7 @@ _BOOTS = (ResetType.ON, ResetType.FORCE_ON, ResetType.POWER_CYCLE, ResetType.PUS
 class KubeVirtMachine(Machine):
     def __init__(self, client: KubeClient, namespace: str, vm: str, vmbmc: str = "", *,
                  deadline: float = 1.5, media_max_size: int = 64 * 2**30,
-                 upload_proxy: upload.ProxySettings | None = None) -> None:
+                 upload_proxy: upload.ProxySettings | None = None, keep_ejected: float = 120.0) -> None:
         self.client = client
         self.namespace = namespace
         self.name = vm
@@ -104,6 +113,9 @@ class KubeVirtMachine(Machine):
         self._claims_lock = threading.Lock()
         self._claims_cache: tuple[float, list[str], dict[str, Obj]] | None = None
         self._following: set[str] = set()  # the slots whose import a thread follows
+        self.keep_ejected = keep_ejected
+        self._kept: dict[str, float] = {}  # DataVolume -> when it was kept after its eject (_keep_ejected)
+        self._bios_applied_under = ""  # the VMI running when pending BIOS settings were last applied
 
     # ---- lifecycle
 
@@ -350,6 +362,7 @@ class KubeVirtMachine(Machine):
             raise Unsupported(f"{reset_type} is not supported: KubeVirt has no NMI")
         if reset_type in _BOOTS:
             self._prepare_boot(reset_type)
+            self._apply_bios(reset_type)
         if self._reset(reset_type):
             self._event("PowerAction", f"power action {reset_type}")
 
@@ -461,6 +474,8 @@ class KubeVirtMachine(Machine):
         record = self._boot_record()
         vmi = self._vmi()
         vmi_uid = ((vmi or {}).get("metadata") or {}).get("uid", "")
+        if vmi_uid and self._bios_applied_under == vmi_uid:
+            return True  # BIOS settings were applied to the template for this restart (bios.py)
         return bool(record and record.get("enabled") in ("Once", "Continuous") and record.get("vmiUID") == vmi_uid)
 
     # ---- boot override
@@ -498,16 +513,23 @@ class KubeVirtMachine(Machine):
         record = self._boot_record()
         if not record or record.get("enabled", "Disabled") == "Disabled":
             return BootOverride(BootTarget.NONE, BootEnabled.DISABLED, mode)
-        return BootOverride(BootTarget(record.get("target", "None")), BootEnabled(record["enabled"]), mode)
+        return BootOverride(BootTarget(record.get("target", "None")), BootEnabled(record["enabled"]), mode,
+                            str(record.get("httpBootUri") or ""))
 
     def set_boot_override(self, override: BootOverride) -> None:
         with self._lock:
             vm = self._vm()
-            if override.enabled != BootEnabled.DISABLED and override.target in (BootTarget.BIOS_SETUP,
-                                                                                BootTarget.UEFI_HTTP):
+            if override.enabled != BootEnabled.DISABLED and override.target == BootTarget.BIOS_SETUP:
                 raise Unsupported(f"KubeVirt cannot boot a VM into {override.target}")
-            ops = firmware.firmware_ops(vm, firmware.mode_firmware(vm, override.mode))
             record = self._boot_record()
+            http = override.enabled != BootEnabled.DISABLED and override.target == BootTarget.UEFI_HTTP
+            previous_uri = str((record or {}).get("httpBootUri") or "")
+            if http:
+                vm = self._http_boot_medium(vm, override, previous_uri)
+            elif previous_uri:
+                self._eject_http_boot_medium(previous_uri)
+                vm = self._vm()
+            ops = firmware.firmware_ops(vm, firmware.mode_firmware(vm, override.mode))
             # An originalOrder of only devices without a bootOrder is stored as empty maps: still the original.
             original = (bootorder.DeviceOrder.from_status(record["originalOrder"] or {})
                         if record and "originalOrder" in record else bootorder.current_order(vm))
@@ -519,7 +541,8 @@ class KubeVirtMachine(Machine):
                     self._write_record(None)
                     self._event("BootOverrideCleared", "cleared the boot override; restored the original boot order")
                 return
-            order = bootorder.override_order(vm, override.target, original)
+            # UEFI HTTP boot boots the cdrom its image was imported into.
+            order = bootorder.override_order(vm, BootTarget.CD if http else override.target, original)
             ops += bootorder.order_patch(vm, order)
             vmi = self._vmi()
             new_record = {
@@ -527,6 +550,8 @@ class KubeVirtMachine(Machine):
                 "vmiUID": ((vmi or {}).get("metadata") or {}).get("uid", "") if vmi else "",
                 "originalOrder": original.as_status(),
             }
+            if http:
+                new_record["httpBootUri"] = override.http_boot_uri
             # A one-time override that changes the firmware (ipmitool's plain `bootdev pxe` asks for BIOS) changes
             # it for that boot only: the firmware before it is recorded and restored with the boot order.
             before = (firmware.Firmware.from_status(record["originalFirmware"])
@@ -537,6 +562,49 @@ class KubeVirtMachine(Machine):
             self._write_record(new_record)
             self._patch_vm(ops)
             self._event("BootOverrideSet", f"boot from {override.target} ({override.enabled}, {override.mode})")
+
+    def _http_boot_medium(self, vm: Obj, override: BootOverride, previous_uri: str) -> Obj:
+        """UEFI HTTP boot as sushy-tools does it on libvirt: the image at the URI is imported into the VM's cdrom
+        (the virtual media path: a DataVolume, checked first) and the override boots the cdrom. The medium of an
+        earlier HTTP boot is replaced; a medium a client inserted is not (refused: eject it first). The same image
+        already in (a retried PATCH, Once then Continuous) is kept: no second import. The VM as it is then."""
+        uri = override.http_boot_uri
+        if not uri:
+            raise InvalidRequest(NO_HTTP_BOOT_URI)
+        if override.mode != BootMode.UEFI:
+            raise InvalidRequest("UEFI HTTP boot needs UEFI firmware: BootSourceOverrideMode UEFI")
+        self._drive(vm, "Cd")  # Unsupported without a cdrom
+        media = self.virtual_media("Cd")
+        present = media.inserted or media.state == MediaState.FAILED
+        if present and media.image == uri and media.state != MediaState.FAILED:
+            return vm
+        if present:
+            if media.image not in (uri, previous_uri) and not self._http_booted(vm):
+                raise InvalidRequest(
+                    f"the virtual CD holds {audit.redact_url(media.image)}: UEFI HTTP boot imports its image into "
+                    "that drive; eject the medium first")
+            self.eject_media("Cd")
+        self._insert(uri, "Cd", {HTTP_BOOT: "true"})
+        return self._vm()
+
+    def _http_booted(self, vm: Obj) -> bool:
+        """Whether the cdrom's medium was put there by UEFI HTTP boot (its DataVolume says so)."""
+        disk = self._cdrom(vm, "Cd")
+        found = self._volume(vm, disk) if disk else None
+        name = ((found[1].get("dataVolume") or {}).get("name") or "") if found else ""
+        if not name:
+            return False
+        try:
+            dv = self.client.request("GET", f"{CDI}/namespaces/{self.namespace}/datavolumes/{name}", timeout=1.0)
+        except (KubeError, Unreachable):
+            return False
+        return ((dv or {}).get("metadata") or {}).get("annotations", {}).get(HTTP_BOOT) == "true"
+
+    def _eject_http_boot_medium(self, uri: str) -> None:
+        """The override leaves UEFI HTTP boot: the medium it imported goes (one a client put in since stays)."""
+        media = self.virtual_media("Cd")
+        if (media.inserted or media.state == MediaState.FAILED) and media.image == uri:
+            self.eject_media("Cd")
 
     def _vmi_changed(self, vmi: Obj | None) -> None:
         """A Once override is consumed by the first VMI that runs after it was set: restore the order."""
@@ -567,6 +635,36 @@ class KubeVirtMachine(Machine):
             log.warning("could not restore the boot order after a Once override: %s", exc)
         finally:
             self._reverting.release()
+
+    # ---- identify: an annotation on the VM, so that it outlives the agent and shows in `kubectl get vm -o yaml`
+
+    def identify(self) -> Identify:
+        value = (((self._vm().get("metadata") or {}).get("annotations") or {}).get(IDENTIFY) or "")
+        return _identify(value, time.time())
+
+    def set_identify(self, active: bool, seconds: int | None = None, blinking: bool = False) -> None:
+        with self._lock:
+            vm = self._vm()
+            annotations = (vm.get("metadata") or {}).get("annotations")
+            value = (datetime.fromtimestamp(time.time() + seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                     if active and seconds else ("blinking" if blinking else "on") if active else None)
+            have = (annotations or {}).get(IDENTIFY)
+            if have == value:
+                return
+            key = "/metadata/annotations/" + IDENTIFY.replace("~", "~0").replace("/", "~1")
+            if value is None:
+                ops: list[Obj] = [{"op": "test", "path": key, "value": have}, {"op": "remove", "path": key}]
+            elif annotations is None:
+                ops = [{"op": "add", "path": "/metadata/annotations", "value": {IDENTIFY: value}}]
+            else:
+                ops = [{"op": "add", "path": key, "value": value}]
+            self._patch_vm(ops)
+            self.vm_watch.wait(lambda o: ((o or {}).get("metadata") or {}).get("annotations", {}).get(IDENTIFY)
+                               == value, SETTLE)
+        if active:
+            self._event("IdentifyOn", "lit the identify indicator" + (f" for {seconds} s" if seconds else ""))
+        else:
+            self._event("IdentifyOff", "turned the identify indicator off")
 
     # ---- disks
 
@@ -657,6 +755,66 @@ class KubeVirtMachine(Machine):
             else:
                 self._event("SecureBootDisabled", "disabled UEFI secure boot from the next boot on")
 
+    # ---- BIOS settings, boot progress, firmware (bios.py; pending settings: an annotation on the VM)
+
+    def bios(self) -> BiosState:
+        return kvbios.state(self._vm(), self._vmi())
+
+    def set_bios(self, attributes: Mapping[str, object]) -> None:
+        with self._lock:
+            vm = self._vm()
+            merged = {**kvbios.pending(vm), **attributes}
+            machine_bios.check(kvbios.current(vm), merged)
+            self._patch_vm(kvbios.pending_ops(vm, merged, kvbios.reset_pending(vm)))  # type: ignore[arg-type]
+            self._event("BiosSettingsPending", "BIOS settings pending for the next power-on or reset: "
+                        + ", ".join(f"{k}={v}" for k, v in sorted(attributes.items())))
+
+    def reset_bios(self) -> None:
+        with self._lock:
+            vm = self._vm()
+            self._patch_vm(kvbios.pending_ops(vm, machine_bios.factory_defaults(), reset=True))
+            self._event("BiosResetPending", "BIOS settings reset to their defaults at the next power-on or reset")
+
+    def _apply_bios(self, reset_type: ResetType) -> None:
+        """Pending BIOS settings go into the VM template just before a power action that boots it (a power-on from
+        off, a restart or power cycle when on), so the new VMI boots with them; a restart then makes a new VMI."""
+        with self._lock:
+            vm = self._vm()
+            wanted = kvbios.pending(vm)
+            if not wanted:
+                return
+            vmi = self._vmi()
+            on = vmstate.power_state(vm, vmi) in _ON_STATES
+            boots = (reset_type in (ResetType.FORCE_RESTART, ResetType.GRACEFUL_RESTART, ResetType.POWER_CYCLE)
+                     if on else reset_type != ResetType.FORCE_RESTART and reset_type != ResetType.GRACEFUL_RESTART)
+            if not boots:
+                return
+            try:
+                settings = machine_bios.check(kvbios.current(vm), wanted)
+            except machine_bios.RefusedSetting as exc:  # the VM changed since: nothing applied, the reason kept
+                result = machine_bios.SettingsResult(kvbios.now(), (("Critical", exc.attribute, str(exc)),))
+                self._patch_vm(kvbios.pending_ops(vm, None) + kvbios.result_ops(vm, result))
+                self._event("BiosSettingsRefused", f"pending BIOS settings not applied: {exc}", "Warning")
+                return
+            result = machine_bios.SettingsResult(kvbios.now(), tuple(
+                ("OK", name, f"{name} set to {value}") for name, value in sorted(wanted.items())))
+            self._patch_vm(kvbios.template_ops(vm, settings) + kvbios.pending_ops(vm, None)
+                           + kvbios.result_ops(vm, result))
+            if on:
+                self._bios_applied_under = ((vmi or {}).get("metadata") or {}).get("uid", "")
+            self._event("BiosSettingsApplied", "applied the pending BIOS settings to the VM for this boot: "
+                        + ", ".join(f"{k}={v}" for k, v in sorted(wanted.items())))
+
+    def boot_progress(self) -> BootProgress:
+        vm = self._vm()
+        vmi = self._vmi()
+        if vmstate.power_state(vm, vmi) == PowerState.OFF:
+            return BootProgress()
+        return kvbios.boot_progress(vmi)
+
+    def firmware_images(self) -> tuple[FirmwareImage, ...]:
+        return kvbios.firmware_images(self._vm(), self._vmi())
+
     # ---- virtual media
 
     def _cdrom(self, vm: Obj, slot: str) -> str | None:
@@ -722,16 +880,22 @@ class KubeVirtMachine(Machine):
         return disk
 
     def insert_media(self, image: str, slot: str = "Cd", write_protected: bool = True) -> None:
+        self._insert(image, slot)
+
+    def _insert(self, image: str, slot: str, annotations: Obj | None = None) -> None:
         if not image.startswith(("http://", "https://")):
             raise InvalidRequest(f"the image must be an http or https URL: {audit.redact_url(image)!r}")
         with self._lock:
             vm = self._vm()
+            media = self.virtual_media(slot)
+            if media.inserted and media.image == image and media.state != MediaState.FAILED:
+                return  # a retried insert of the same image (Ironic retries on 5xx): it is in, nothing to do
             disk = self._empty_drive(vm, slot)
             ca_map = ((self._media_options().get("tls") or {}).get("caBundleConfigMapRef") or {}).get("name", "")
             http_source: Obj = {"url": image}
             if ca_map:
                 http_source["certConfigMap"] = ca_map
-            dv_name = self._create_medium(vm, disk, {"http": http_source}, self.check_image(image))
+            dv_name = self._create_medium(vm, disk, {"http": http_source}, self.check_image(image), annotations)
             # Into a running VM by hotplug; into one that is off as part of its next start (`_cold_plug`).
             self._patch_vm(_add_op(vm, "/spec/template/spec/volumes",
                                    _media_volume(disk, dv_name, hotplug=self._vmi_active())))
@@ -764,11 +928,30 @@ class KubeVirtMachine(Machine):
         except KubeError as exc:
             if exc.status != 409:
                 raise InvalidRequest(f"could not create the DataVolume: {exc.message}") from exc
-            # A leftover from an interrupted eject: replace it.
+            if self._reusable(dv, dv_name):
+                return dv_name  # the same image, kept since its eject (or a retried insert): no second import
+            # A leftover from an interrupted eject, or another image kept since its eject: replace it.
+            self._kept.pop(dv_name, None)
             self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
                        ok=lambda e: e.status == 404)
             self._call("POST", f"{CDI}/namespaces/{self.namespace}/datavolumes", dv)
         return dv_name
+
+    def _reusable(self, wanted: Obj, dv_name: str) -> bool:
+        """Whether the DataVolume `dv_name` already holds what `wanted` would import: the same source and the same
+        annotations, not failed, not being deleted. It is taken back (no longer dropped when its time is up)."""
+        try:
+            found = self.client.request("GET", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
+                                        timeout=1.0)
+        except (KubeError, Unreachable):
+            return False
+        meta = (found or {}).get("metadata") or {}
+        if (((found or {}).get("spec") or {}).get("source") != wanted["spec"]["source"]
+                or (meta.get("annotations") or {}) != (wanted["metadata"].get("annotations") or {})
+                or meta.get("deletionTimestamp") or ((found or {}).get("status") or {}).get("phase") == "Failed"):
+            return False
+        self._kept.pop(dv_name, None)
+        return True
 
     # ---- virtual media from a client's disk: CDI's upload (upload.py)
 
@@ -907,6 +1090,21 @@ class KubeVirtMachine(Machine):
         for slot, state in states.items():
             if state in (MediaState.INSERTING, MediaState.FAILED):
                 self._follow(slot)
+            elif state == MediaState.EJECTED:
+                self._sweep_ejected(slot)
+
+    def _sweep_ejected(self, slot: str) -> None:
+        """A DataVolume of an empty slot's drive is an ejected medium a previous agent kept (_keep_ejected): it goes
+        when its keep time is up, counted from now."""
+        try:
+            disk = self._cdrom(self._vm(), slot)
+            if disk is None or slot in self._uploads:
+                return
+            dv_name = self._dv_name(disk)
+            self.client.request("GET", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}", timeout=1.0)
+        except (MachineError, KubeError, Unreachable):
+            return
+        self._schedule_drop(disk, dv_name, self.keep_ejected)
 
     def _cold_plug(self, vm: Obj) -> None:
         """Before a start: every medium still importing becomes part of the new VMI from its first instruction. A
@@ -1009,10 +1207,57 @@ class KubeVirtMachine(Machine):
                                 {"op": "remove", "path": path}])
                 if not (found[1].get("dataVolume") or {}).get("hotpluggable"):
                     self._restart_held()  # a VMI waiting for this medium would wait for ever once it is gone
-            self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{self._dv_name(disk)}",
-                       ok=lambda e: e.status == 404)
+            dv_name = self._dv_name(disk)
+            if found is not None and uploading is None and self._keep_ejected(disk, dv_name):
+                pass
+            elif found is None and uploading is None and dv_name in self._kept:
+                pass  # an empty drive ejected again (Ironic ejects before every insert): the kept image stays
+            else:
+                self._kept.pop(dv_name, None)
+                self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
+                           ok=lambda e: e.status == 404)
             if found is not None:
                 self._event("VirtualMediaEjected", f"ejected the medium from {disk}")
+
+    def _keep_ejected(self, disk: str, dv_name: str) -> bool:
+        """Keep an ejected medium's imported DataVolume for `keep_ejected` seconds, unless it failed: Ironic ejects
+        before every insert, and an insert of the same image then takes it back instead of importing it again.
+        Removed when the time is up (or by the next agent after a restart), or replaced by another image."""
+        try:
+            dv = self.client.request("GET", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}", timeout=1.0)
+        except (KubeError, Unreachable):
+            return False
+        status = (dv or {}).get("status") or {}
+        source = ((dv or {}).get("spec") or {}).get("source") or {}
+        if "http" not in source or status.get("phase") == "Failed" or \
+                ((dv or {}).get("metadata") or {}).get("deletionTimestamp") or self.keep_ejected <= 0:
+            return False
+        self._schedule_drop(disk, dv_name, self.keep_ejected)
+        return True
+
+    def _schedule_drop(self, disk: str, dv_name: str, after: float) -> None:
+        stamp = time.monotonic()
+        self._kept[dv_name] = stamp
+        timer = threading.Timer(after, self._drop_kept, args=(disk, dv_name, stamp))
+        timer.daemon = True
+        timer.start()
+
+    def _drop_kept(self, disk: str, dv_name: str, stamp: float) -> None:
+        """The kept DataVolume of an ejected medium, when no insert took it back since."""
+        try:
+            with self._lock:
+                if self._kept.get(dv_name) != stamp:
+                    return
+                found = self._volume(self._vm(), disk)
+                if found is not None and (found[1].get("dataVolume") or {}).get("name") == dv_name:
+                    self._kept.pop(dv_name, None)
+                    return
+                self._call("DELETE", f"{CDI}/namespaces/{self.namespace}/datavolumes/{dv_name}",
+                           ok=lambda e: e.status == 404)
+                self._kept.pop(dv_name, None)
+        except MachineError as exc:
+            log.warning("could not remove the ejected medium %s, trying again: %s", dv_name, exc)
+            self._schedule_drop(disk, dv_name, 10.0)
 
 
 class _Upload:
@@ -1116,6 +1361,18 @@ def _percent(value: Any) -> int | None:
         return max(0, min(100, int(float(text))))
     except ValueError:
         return None
+
+
+def _identify(value: str, now: float) -> Identify:
+    """The identify annotation's value as the indicator: "on" (lit) and "blinking" stay on; a time is when it goes
+    off (blinking, as IPMI's timed identify); else off."""
+    if value in ("on", "blinking"):
+        return Identify(True, None, value == "blinking")
+    try:
+        until = datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp() if value else 0.0
+    except ValueError:
+        return Identify()
+    return Identify(True, until, True) if until > now else Identify()
 
 
 def _not_running(exc: KubeError) -> bool:

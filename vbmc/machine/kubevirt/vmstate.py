@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from ..model import BootMode, Disk, Health, HealthState, Inventory, Nic, PowerState
+from ..model import BootMode, Disk, Health, HealthState, Inventory, Nic, PcieDevice, PowerState
 
 Obj = dict[str, Any]
 
@@ -144,8 +144,9 @@ def inventory(vm: Obj, vmi: Obj | None, claims: Mapping[str, Obj] | None = None)
         ((domain.get("resources") or {}).get("requests") or {}).get("memory"))
     seen_macs = {i.get("name"): i.get("mac") for i in ((vmi or {}).get("status") or {}).get("interfaces") or []}
     devices = domain.get("devices") or {}
-    nics = tuple(Nic(i["name"], str(i.get("macAddress") or seen_macs.get(i["name"]) or ""))
-                 for i in devices.get("interfaces") or [])
+    nics = tuple(Nic(i["name"], str(i.get("macAddress") or seen_macs.get(i["name"]) or ""),
+                     link_up(i, vmi), str(i.get("model") or "virtio"))
+                 for i in devices.get("interfaces") or [] if i.get("state") != "absent")
     sizes = disk_sizes(vm, vmi, claims or {})
     created = set(created_disks(vm))
     disks = tuple(_disk(d, sizes.get(str(d["name"])), str(d["name"]) in created) for d in devices.get("disks") or [])
@@ -160,7 +161,87 @@ def inventory(vm: Obj, vmi: Obj | None, claims: Mapping[str, Obj] | None = None)
         architecture=str(spec.get("architecture") or ((vmi or {}).get("spec") or {}).get("architecture")
                          or "amd64"),
         model=model(vm, vmi),
+        cpu_model=cpu_model(vm, vmi),
+        pcie_devices=pcie_devices(vm, vmi),
     )
+
+
+def link_up(interface: Obj, vmi: Obj | None) -> bool:
+    """An interface's link as KubeVirt shows it: up while a running VMI lists it in its status (virt-handler reports
+    the domain's interfaces there); down when the VM is not running, or its VMI does not have it (not plugged yet,
+    or being unplugged)."""
+    status = (vmi or {}).get("status") or {}
+    if status.get("phase") != "Running":
+        return False
+    return any(i.get("name") == interface.get("name") for i in status.get("interfaces") or [])
+
+
+def cpu_model(vm: Obj, vmi: Obj | None) -> str:
+    """The vCPU model the VM runs (its VMI's, where virt-api wrote the cluster's default in) or asks for; "" when
+    neither names one."""
+    for spec in ((vmi or {}).get("spec") or {}, template_spec(vm)):
+        value = ((spec.get("domain") or {}).get("cpu") or {}).get("model")
+        if value:
+            return str(value)
+    return ""
+
+
+# The PCI IDs of the devices QEMU emulates for KubeVirt's models (QEMU's include/hw/pci/pci_ids.h; virtio 1.x
+# non-transitional IDs are 0x1040 + the virtio device type, the transitional ones KubeVirt uses with
+# useVirtioTransitional are 0x1000 + the legacy index).
+VIRTIO_VENDOR = "0x1af4"
+_VIRTIO = {"net": ("0x1041", "0x1000"), "blk": ("0x1042", "0x1001"), "scsi": ("0x1048", "0x1004")}
+_NIC_MODELS = {"e1000": ("0x8086", "0x100e", "Intel"), "e1000e": ("0x8086", "0x10d3", "Intel"),
+               "rtl8139": ("0x10ec", "0x8139", "Realtek"), "ne2k_pci": ("0x10ec", "0x8029", "Realtek"),
+               "pcnet": ("0x1022", "0x2000", "AMD")}
+AHCI = ("0x8086", "0x2922")  # q35's ICH9 AHCI controller, where KubeVirt's sata disks and cdroms sit
+
+
+def pcie_devices(vm: Obj, vmi: Obj | None) -> tuple[PcieDevice, ...]:
+    """The VM's PCI devices as its definition (the running VMI's, else the template) names them: its NICs, its disk
+    controllers (a virtio-blk device per virtio disk, one virtio-scsi controller for the scsi disks, the machine's
+    AHCI controller for sata ones), its GPUs and passed-through host devices. Nothing else: what the machine type
+    adds by itself (bridges, the USB controller) the definition does not state."""
+    spec = ((vmi or {}).get("spec") or {}) if (vmi or {}).get("spec") else template_spec(vm)
+    devices = (spec.get("domain") or {}).get("devices") or {}
+    transitional = 1 if devices.get("useVirtioTransitional") else 0
+    found: list[PcieDevice] = []
+    for nic in devices.get("interfaces") or []:
+        if nic.get("state") == "absent":
+            continue
+        name = str(nic.get("name"))
+        address = str(nic.get("pciAddress") or "")
+        if "sriov" in nic:
+            found.append(PcieDevice(f"nic-{name}", f"SR-IOV interface {name}", "NetworkController",
+                                    "SR-IOV virtual function", address=address))
+            continue
+        model_name = str(nic.get("model") or "virtio")
+        if model_name == "virtio":
+            vendor, device, maker = VIRTIO_VENDOR, _VIRTIO["net"][transitional], "Red Hat"
+        else:
+            vendor, device, maker = _NIC_MODELS.get(model_name, ("", "", ""))
+        found.append(PcieDevice(f"nic-{name}", f"Interface {name}", "NetworkController", model_name, vendor,
+                                device, maker, address))
+    buses = [str((d.get(kind) or {}).get("bus") or ("sata" if kind == "cdrom" else "virtio"))
+             for d in devices.get("disks") or [] for kind in ("disk", "cdrom", "lun") if kind in d]
+    for disk in devices.get("disks") or []:
+        kind = next((k for k in ("disk", "lun") if k in disk), None)
+        if kind and str((disk.get(kind) or {}).get("bus") or "virtio") == "virtio":
+            name = str(disk.get("name"))
+            found.append(PcieDevice(f"disk-{name}", f"Disk controller of {name}", "MassStorageController",
+                                    "virtio-blk", VIRTIO_VENDOR, _VIRTIO["blk"][transitional], "Red Hat"))
+    if "scsi" in buses:
+        found.append(PcieDevice("scsi", "SCSI controller", "MassStorageController", "virtio-scsi", VIRTIO_VENDOR,
+                                _VIRTIO["scsi"][transitional], "Red Hat"))
+    if "sata" in buses:
+        found.append(PcieDevice("sata", "SATA controller", "MassStorageController", "ICH9 AHCI", *AHCI, "Intel"))
+    for gpu in devices.get("gpus") or []:
+        found.append(PcieDevice(f"gpu-{gpu.get('name')}", f"GPU {gpu.get('name')}", "DisplayController",
+                                str(gpu.get("deviceName") or "")))
+    for host in devices.get("hostDevices") or []:
+        found.append(PcieDevice(f"hostdev-{host.get('name')}", f"Host device {host.get('name')}", "Other",
+                                str(host.get("deviceName") or "")))
+    return tuple(found)
 
 
 def _disk(disk: Obj, size: int | None, created: bool = False) -> Disk:

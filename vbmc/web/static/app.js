@@ -271,6 +271,12 @@ function showSystem(doc) {
   const health = (doc.Status && doc.Status.Health) || "OK";
   $("health").textContent = `Health: ${health}`;
   $("health").dataset.state = health;
+  // Identify: the System's LocationIndicatorActive (the same indicator as the Chassis' and IPMI's chassis identify).
+  const lit = Boolean(doc.LocationIndicatorActive);
+  $("identify").textContent = `Identify: ${lit ? (doc.IndicatorLED === "Blinking" ? "blinking" : "lit") : "off"}`;
+  $("identify").dataset.state = lit ? "Lit" : "Off";
+  $("identify-toggle").textContent = lit ? "Stop identifying" : "Identify";
+  $("identify-toggle").dataset.lit = String(lit);
 
   const reset = doc.Actions && doc.Actions["#ComputerSystem.Reset"];
   const allowed = (reset && reset["ResetType@Redfish.AllowableValues"]) || [];
@@ -305,6 +311,9 @@ function showSystem(doc) {
   if (document.activeElement !== $("boot-enabled")) {
     $("boot-enabled").value = boot.BootSourceOverrideEnabled || "Disabled";
   }
+  if (document.activeElement !== $("boot-uri")) {
+    $("boot-uri").value = boot.HttpBootUri || "";
+  }
 }
 
 function fillSelect(select, values, current) {
@@ -327,11 +336,21 @@ function bindSession() {
   });
   $("boot-form").addEventListener("submit", (event) => {
     event.preventDefault();
-    attempt("boot-message", () => redfish.patch(view.system["@odata.id"], { Boot: {
+    const boot = {
       BootSourceOverrideTarget: $("boot-target").value,
       BootSourceOverrideEnabled: $("boot-enabled").value,
       BootSourceOverrideMode: $("boot-mode").value,
-    } }), "The boot override is set.");
+    };
+    if (boot.BootSourceOverrideTarget === "UefiHttp") {
+      boot.HttpBootUri = $("boot-uri").value || null;
+    }
+    attempt("boot-message", () => redfish.patch(view.system["@odata.id"], { Boot: boot }),
+      "The boot override is set.");
+  });
+  $("identify-toggle").addEventListener("click", () => {
+    const light = $("identify-toggle").dataset.lit !== "true";
+    attempt("power-message", () => redfish.patch(view.system["@odata.id"], { LocationIndicatorActive: light }),
+      light ? "Identify is on." : "Identify is off.");
   });
   $("secureboot-form").addEventListener("submit", (event) => {
     event.preventDefault();
