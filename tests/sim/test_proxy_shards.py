@@ -7,7 +7,10 @@ listening sockets where one process may hold 20,000. Here kubesim keeps 4 listen
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,3 +151,33 @@ def test_a_shard_exits_when_kubesim_is_killed(sharded: Sim) -> None:
     finally:
         for backend in backends:
             backend.close()
+
+
+def test_a_shard_ignores_a_malformed_line_and_serves_the_next() -> None:
+    """Only kubesim writes to a shard, but a line it cannot read (a bug, a torn write) must cost that line only: the
+    shard says so, keeps serving, and takes the next line."""
+    backend = Echo(b"after")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    shard = subprocess.Popen([sys.executable, "-m", "kubesim.proxyshard", "9"], stdin=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert shard.stdin is not None and shard.stderr is not None
+        valid = {"owner": ["fleet", "svc"], "frontends": [
+            ["127.0.0.1", port, "TCP", ["fleet", "svc", "tcp"], [["127.0.0.1", backend.port]]]]}
+        for line in ("not json", json.dumps({"owner": "x"}), json.dumps({"owner": ["fleet", "svc"], "frontends": [
+                ["127.0.0.1", "eighty", "TCP", ["fleet", "svc", "tcp"], []]]}), json.dumps(valid)):
+            shard.stdin.write(line + "\n")
+        shard.stdin.flush()
+        assert answers(tcp, "127.0.0.1", port) == b"after:hello"
+        assert shard.poll() is None
+        shard.stdin.close()
+        assert shard.wait(timeout=30) == 0  # its input closed: it exits, as when kubesim goes
+        logged = shard.stderr.read()
+        assert logged.count("ignored a malformed line from kubesim") == 3, logged
+    finally:
+        if shard.poll() is None:
+            shard.kill()
+            shard.wait()
+        backend.close()
