@@ -260,6 +260,18 @@ def test_nothing_is_written_at_rest_and_a_burst_makes_few_writes(sim: Sim, api: 
         assert writes() == at_rest
 
 
+def test_a_sigterm_keeps_what_nobody_has_read_yet(sim: Sim, api: client.ApiClient, namespace: str) -> None:
+    make_vm(api, namespace)
+    make_bmc(api, namespace)
+    with running_agent(*agent_args(namespace), env={"KUBECONFIG": sim.kubeconfig}) as agent:
+        status, _ = agent.redfish("POST", "/redfish/v1/SessionService/Sessions",
+                                  {"UserName": USER, "Password": PASSWORD})
+        assert status == 201
+        assert agent.stop() == 0  # within the batch window: written on the way out
+    stored = kept(api, namespace)
+    assert stored is not None and [e.fields["action"] for e in stored[1].entries][-1].startswith("POST")
+
+
 def pool_agent(sim: Sim, namespace: str, pool_file: Path, own_port: int) -> subprocess.Popen[bytes]:
     log = open((LOG_DIR or Path("/tmp")) / f"pool-{own_port}.log", "w")  # noqa: SIM115
     return subprocess.Popen(
