@@ -24,9 +24,10 @@ from kubernetes import client
 
 from vbmc.access.audit import FIELDS, Entry, Trail, TrailState
 from vbmc.agent import logstore
-from vbmc.agent.logstore import audit_document, config_map, read_sel, read_trail, sel_document
+from vbmc.agent.logstore import LogKeeper, audit_document, config_map, read_sel, read_trail, sel_document
 from vbmc.machine.eventlog import CAPACITY, NEVER, LogRecord, SelState, SystemEventLog
 from vbmc.machine.events import Event
+from vbmc.machine.kubevirt.client import KubeClient, load_credentials
 
 from ..support.agents import LOG_DIR, PASSWORD, USER, AgentProcess, free_port, ipmitool_at, redfish_at, running_agent
 from ..support.cluster import REPO, Sim, bmc_sim, call, wait_for
@@ -258,6 +259,35 @@ def test_nothing_is_written_at_rest_and_a_burst_makes_few_writes(sim: Sim, api: 
         at_rest = writes()
         time.sleep(3 * logstore.BATCH_SECONDS)  # idle for several batch windows: nothing asks, nothing is written
         assert writes() == at_rest
+
+
+def test_two_writers_of_one_config_map_lose_nothing(sim: Sim, api: client.ApiClient, namespace: str) -> None:
+    """Two agents for one BMC for a while (a move into a pool, a node lost with its pod running): each writes with
+    the resourceVersion it read, and a conflict merges, so the ConfigMap ends with both's entries, each id once."""
+    make_bmc(api, namespace)
+    owner = call(api, "GET", f"/apis/bmc.kubevirt.io/v1beta1/namespaces/{namespace}/virtualmachinebmcs/vm").body
+    kube = KubeClient(load_credentials(sim.kubeconfig))
+    logs = [(SystemEventLog(), Trail()) for _ in range(2)]
+    for n, (sel, trail) in enumerate(logs):
+        LogKeeper(kube, namespace, LOG_MAP, sel, trail, owner=lambda: owner, who=f"writer {n}", batch=0.01).start()
+    for i in range(10):
+        for n, (sel, trail) in enumerate(logs):
+            sel.record(power("On", i + 1))
+            trail.add({"action": f"writer {n} entry {i}"}, False)
+    for sel, trail in logs:
+        sel.settle()
+        trail.settle()
+
+    def both_kept() -> tuple[SelState, TrailState] | None:
+        found = kept(api, namespace)
+        return found if found is not None and len(found[1].entries) == 20 and len(found[0].records) == 20 else None
+
+    sel_kept, trail_kept = wait_for(both_kept, timeout=HANG, what="both writers' entries kept")
+    assert sorted(str(e.fields["action"]) for e in trail_kept.entries) == sorted(
+        f"writer {n} entry {i}" for n in (0, 1) for i in range(10))
+    assert [e.entry_id for e in trail_kept.entries] == list(range(1, 21))
+    assert [r.record_id for r in sel_kept.records] == list(range(1, 21))
+    kube.close()
 
 
 def test_a_sigterm_keeps_what_nobody_has_read_yet(sim: Sim, api: client.ApiClient, namespace: str) -> None:
