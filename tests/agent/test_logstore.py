@@ -290,6 +290,21 @@ def test_two_writers_of_one_config_map_lose_nothing(sim: Sim, api: client.ApiCli
     kube.close()
 
 
+def test_a_config_map_of_that_name_that_is_not_the_agents_is_left_alone(
+        sim: Sim, api: client.ApiClient, namespace: str, caplog: pytest.LogCaptureFixture) -> None:
+    theirs = {"metadata": {"name": LOG_MAP}, "data": {"sel.json": "someone else's"}}
+    assert call(api, "POST", f"/api/v1/namespaces/{namespace}/configmaps", theirs).status == 201
+    kube = KubeClient(load_credentials(sim.kubeconfig))
+    sel, trail = SystemEventLog(), Trail()
+    LogKeeper(kube, namespace, LOG_MAP, sel, trail, owner=lambda: {}, who="agent", batch=0.01).start()
+    trail.add({"action": "power_on"}, False)
+    trail.settle()  # does not wait: the write is refused
+    assert [e.fields["action"] for e in trail.entries()] == ["power_on"]  # kept in memory
+    assert call(api, "GET", config_map_path(namespace)).body["data"] == {"sel.json": "someone else's"}
+    assert any("is not managed by kubevbmc" in r.getMessage() for r in caplog.records)
+    kube.close()
+
+
 def test_a_sigterm_keeps_what_nobody_has_read_yet(sim: Sim, api: client.ApiClient, namespace: str) -> None:
     make_vm(api, namespace)
     make_bmc(api, namespace)

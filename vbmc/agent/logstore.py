@@ -72,7 +72,12 @@ _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
 class NotKeptHere(Exception):
-    """The ConfigMap cannot be written by this agent: not its own, or no owner to create it with yet."""
+    """The ConfigMap cannot be written now: no owner to create it with yet, or conflicting writes over and over."""
+
+
+class NotOurs(NotKeptHere):
+    """A ConfigMap of that name exists and is not the agent's: tried again at the next change only, never on a
+    timer (an agent at rest makes no request)."""
 
 
 # ---- the documents (pure)
@@ -182,7 +187,8 @@ class LogKeeper:
         self._writing = False  # the writer thread runs
         self._failing = False  # the last attempt failed: clients do not wait
         self._stopped = False
-        # What the ConfigMap held after the last read or write from here, and its metadata; None: not read yet.
+        # What the ConfigMap held after the last read or write from here, its resourceVersion (None: absent, or
+        # not read yet) and metadata.
         self._synced: tuple[SelState, TrailState] = (SelState(), TrailState())
         self._version: str | None = None
         self._meta: Obj = {}
@@ -201,6 +207,8 @@ class LogKeeper:
         self.trail.keeper = self
         try:
             self._sync()
+        except NotOurs as exc:
+            self._failed(exc)
         except (KubeError, Unreachable, NotKeptHere) as exc:
             self._failed(exc)
             self.changed()  # still to be read: the writer tries again
@@ -249,6 +257,12 @@ class LogKeeper:
                 changes = self._changes
             try:
                 self._sync()
+            except NotOurs as exc:
+                self._failed(exc)
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+                return
             except (KubeError, Unreachable, NotKeptHere) as exc:
                 failures += 1
                 self._failed(exc)
@@ -344,7 +358,7 @@ class LogKeeper:
         else:
             labels = (found.get("metadata") or {}).get("labels") or {}
             if labels.get(MANAGED_BY) != MANAGER:
-                raise NotKeptHere(f"ConfigMap {self.name} exists and is not managed by {MANAGER}; it is left alone")
+                raise NotOurs(f"ConfigMap {self.name} exists and is not managed by {MANAGER}; it is left alone")
             data = found.get("data") or {}
             try:
                 kept = (read_sel(data.get(SEL_KEY)), read_trail(data.get(AUDIT_KEY)))
