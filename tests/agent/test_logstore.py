@@ -183,6 +183,14 @@ def sel_lines(agent: Any) -> list[str]:
     return [line for line in result.stdout.splitlines() if "|" in line]
 
 
+def sel_info(agent: Any) -> dict[str, str]:
+    """`ipmitool sel info`'s entry count, last addition and overflow."""
+    result = agent.ipmitool("sel", "info")
+    assert result.returncode == 0, result.stderr
+    fields = dict(line.split(":", 1) for line in result.stdout.splitlines() if ":" in line)
+    return {k.strip(): v.strip() for k, v in fields.items() if k.strip() in ("Entries", "Last Add Time", "Overflow")}
+
+
 def kill(agent: AgentProcess) -> None:
     agent.proc.send_signal(signal.SIGKILL)
     agent.proc.wait(timeout=HANG)
@@ -205,12 +213,14 @@ def test_the_sel_and_the_audit_trail_outlive_a_sigkill_and_number_on(sim: Sim, a
         assert first.redfish("POST", RESET, {"ResetType": "ForceOff"})[0] == 204
         wait_for(lambda: len(members(first, SEL)) == 3, timeout=HANG, what="the power-off's SEL entry")
         sel_before, lines_before, audit_before = shown(first, SEL), sel_lines(first), shown(first, AUDIT)
+        info_before = sel_info(first)
         assert len(lines_before) == 3 and len(audit_before) >= 2  # power on (IPMI), sel add, ForceOff (Redfish)
         kill(first)  # what was read is kept: no grace for a last write
 
     with running_agent(*agent_args(namespace), env={"KUBECONFIG": sim.kubeconfig}, ipmi_port=ipmi_port) as second:
         assert shown(second, SEL) == sel_before
         assert sel_lines(second) == lines_before
+        assert sel_info(second) == info_before  # the entries, the last addition's time
         audit_after = shown(second, AUDIT)
         assert audit_after[:len(audit_before)] == audit_before
 
