@@ -72,6 +72,12 @@ def events_secret_name(vm: str) -> str:
     return child_name(vm) + "-events"
 
 
+def log_config_map_name(vm: str) -> str:
+    """The ConfigMap the agent keeps the BMC's SEL and audit trail in (vbmc/agent/logstore.py): created by the agent
+    on its first entry, owned by the VirtualMachineBMC; the controller only names it (and grants it)."""
+    return child_name(vm) + "-log"
+
+
 def label_value(name: str) -> str:
     """`name` as a label value (at most 63 characters): itself when it fits, else cut with a short hash of the
     whole of it, so that long VirtualMachine and VirtualMachineBMC names still select and label their objects."""
@@ -180,6 +186,12 @@ def desired_role(bmc: Obj, vm: str, cdroms: list[str], claims: Sequence[str] = (
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [events_secret_name(vm)],
          "verbs": ["get", "update", "patch"]},
+        # The SEL and audit trail's ConfigMap: read back at start, written with its resourceVersion (update). The
+        # agent creates it on its first entry, and create cannot be restricted by name: it may create ConfigMaps,
+        # never read or change one but its own.
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [log_config_map_name(vm)],
+         "verbs": ["get", "update"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
     ]
     ca_map = BMCSpec.of(bmc).redfish.virtual_media.tls.ca_bundle_config_map_ref
     if ca_map is not None:
@@ -278,7 +290,8 @@ def desired_deployment(bmc: Obj, vm: str, settings: Settings, credentials: Obj, 
     secret_name = credentials["metadata"]["name"]
     args = ["agent", "--namespace", "$(POD_NAMESPACE)", "--vm", vm, "--vmbmc", bmc["metadata"]["name"],
             "--ipmi-address", f"$(POD_IP):{IPMI_PORT}" if spec.ipmi.enabled else "",
-            "--redfish-address", f"$(POD_IP):{HTTP_PORT}", "--log-level", settings.agent_log_level]
+            "--redfish-address", f"$(POD_IP):{HTTP_PORT}", "--log-config-map", log_config_map_name(vm),
+            "--log-level", settings.agent_log_level]
     if not spec.redfish.enabled:
         args += ["--redfish", "false"]  # the HTTP listener then serves the probes only
     else:
@@ -498,7 +511,8 @@ def pool_member(bmc: Obj, vm: str, slot: int, credentials: Obj, tls_secret: Obj 
             "password": _b64text(data.get("password")), "ipmi": spec.ipmi.enabled, "redfish": spec.redfish.enabled,
             "requireTLS": spec.redfish.require_tls, "ipmiPort": ipmi, "httpPort": http,
             "httpsPort": https if cert and key else 0, "tlsCert": cert, "tlsKey": key,
-            "subscriptionsSecret": events_secret_name(vm) if spec.redfish.enabled else ""}
+            "subscriptionsSecret": events_secret_name(vm) if spec.redfish.enabled else "",
+            "logConfigMap": log_config_map_name(vm)}
 
 
 def _b64text(value: Any) -> str:

@@ -6,6 +6,7 @@ import json
 import ssl
 import subprocess
 import urllib.request
+from typing import Any
 
 from kubernetes import client
 
@@ -31,6 +32,13 @@ def test_ipmitool_and_redfish_through_the_service_of_a_ready_bmc(api: client.Api
     assert on.returncode == 0, on.stderr
     wait_for(lambda: get_vm(api, namespace).get("status", {}).get("printableStatus") == "Running", timeout=20,
              what="the VM to run")
+    # The agent keeps the SEL and the audit trail in the ConfigMap the controller named, owned by the BMC.
+    def log_map() -> dict[str, Any] | None:
+        reply = call(api, "GET", f"/api/v1/namespaces/{namespace}/configmaps/vm-virtbmc-log")
+        return reply.body if reply.status == 200 and "chassis_control" in reply.body["data"]["audit.json"] else None
+
+    kept = wait_for(log_map, timeout=20, what="the power on kept in the BMC's log ConfigMap")
+    assert kept["metadata"]["ownerReferences"][0]["uid"] == get_bmc(api, namespace)["metadata"]["uid"]
 
     # curl -k: the generated certificate is self-signed; a session login, then the system with the token.
     insecure = ssl.create_default_context()

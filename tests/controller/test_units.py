@@ -59,7 +59,8 @@ def test_every_child_is_named_from_the_vm_labelled_and_controlled_by_the_bmc() -
 def test_the_role_names_only_this_vm_its_vmi_datavolumes_and_bmc() -> None:
     rules = desired.desired_role(bmc(), "vm", ["cdrom"])["rules"]
     named = [r for r in rules if "resourceNames" in r]
-    assert {n for r in named for n in r["resourceNames"]} == {"vm", "b", "vm-cdrom", "vm-virtbmc-events"}
+    assert {n for r in named for n in r["resourceNames"]} == {"vm", "b", "vm-cdrom", "vm-virtbmc-events",
+                                                               "vm-virtbmc-log"}
     unnamed = [(tuple(r["resources"]), tuple(r["verbs"])) for r in rules if "resourceNames" not in r]
     # create cannot be restricted by name in RBAC; nothing else is namespace-wide
     assert all(verbs == ("create",) for _, verbs in unnamed)

@@ -18,7 +18,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .keeping import NOT_KEPT, Keeper
 
 log = logging.getLogger("vbmc.audit")
 
@@ -64,22 +66,34 @@ class Entry:
     warning: bool  # a refusal or a failure (logged at WARNING)
 
 
+@dataclass(frozen=True)
+class TrailState:
+    """The trail as a keeper writes it and reads it back."""
+
+    entries: tuple[Entry, ...] = ()
+    next_id: int = 1
+    cleared: float = 0.0  # time.time() of the last clear; 0: never
+
+
 class Trail:
     """The recent audit records of one BMC (its Redfish Manager shows them as a LogService): what changed something
     and every refusal, the last `capacity` of them, the oldest dropped first. Reads are not kept (they are logged at
-    DEBUG)."""
+    DEBUG). Kept beyond the process by its `keeper` (vbmc/access/keeping.py), as the SEL is."""
 
     def __init__(self, capacity: int = 512, clock: Callable[[], float] = time.time) -> None:
         self._lock = threading.Lock()
         self._entries: deque[Entry] = deque(maxlen=capacity)
         self._next = 1
+        self._cleared = 0.0
         self._clock = clock
         self.capacity = capacity
+        self.keeper: Keeper = NOT_KEPT
 
     def add(self, fields: dict[str, object], warning: bool) -> None:
         with self._lock:
             self._entries.append(Entry(self._next, self._clock(), fields, warning))
             self._next += 1
+        self.keeper.changed()
 
     def entries(self) -> list[Entry]:
         with self._lock:
@@ -92,6 +106,33 @@ class Trail:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._cleared = self._clock()
+        self.keeper.changed()
+
+    def settle(self) -> None:
+        """Before a client reads the trail or hears that it was cleared: what it will see is kept."""
+        self.keeper.settle()
+
+    def state(self) -> TrailState:
+        with self._lock:
+            return TrailState(tuple(self._entries), self._next, self._cleared)
+
+    def adopt(self, kept: TrailState, synced: TrailState) -> TrailState:
+        """Become `kept` (what the keeper read back), followed by what was recorded here since `synced` (the state
+        last kept from here, or read back), numbered on from `kept`'s ids, the oldest dropped past the capacity; a
+        clear done here since `synced` clears `kept`'s entries too (as SystemEventLog.adopt). Returns the new
+        state, to be kept."""
+        with self._lock:
+            fresh = [e for e in self._entries if e.entry_id >= synced.next_id]
+            cleared_here = self._cleared != synced.cleared
+            entries = deque([] if cleared_here else kept.entries, maxlen=self.capacity)
+            next_id = kept.next_id
+            for entry in fresh:
+                entries.append(replace(entry, entry_id=next_id))
+                next_id += 1
+            self._entries, self._next = entries, next_id
+            self._cleared = self._cleared if cleared_here else kept.cleared
+            return TrailState(tuple(entries), next_id, self._cleared)
 
 
 def record(action: str, vm: str, result: str, duration: float = 0.0, *, actor: Actor | None = None,

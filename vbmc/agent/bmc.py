@@ -50,6 +50,7 @@ from ..redfish.eventservice import SubscriptionStore
 from ..redfish.resources import ConsoleAccess
 from ..redfish.server import Limits, Listeners, RedfishFront, ServerConfig, connection_slots, hypercorn_config
 from ..web import SCREEN_URI, SERIAL_URI, Consoles, MediaUploads, WebFront
+from .logstore import LogKeeper
 
 log = logging.getLogger("vbmc.agent")
 
@@ -76,6 +77,7 @@ class BmcSpec:
     tls_cert: str = field(default="", repr=False)  # PEM: the certificate (chain)
     tls_key: str = field(default="", repr=False)
     subscriptions_secret: str = ""
+    log_config_map: str = ""  # where its SEL and audit trail are kept (vbmc/agent/logstore.py); empty: in memory
     ipmi_host: str = ""
     http_host: str = ""
     https_host: str = ""
@@ -104,6 +106,8 @@ class Host(Protocol):
     def new_machine(self, spec: BmcSpec) -> Machine: ...
 
     def subscriptions_store(self, spec: BmcSpec) -> SubscriptionStore | None: ...
+
+    def log_keeper(self, spec: BmcSpec, machine: Machine) -> LogKeeper | None: ...  # started; None: in memory
 
     async def open_listeners(self, front: RedfishFront, host: str, port: int, tls: ssl.SSLContext | None,
                              slots: Any) -> Listeners: ...
@@ -135,6 +139,7 @@ class Bmc:
         self.spec = spec
         self.agent = agent
         self.machine: Machine | None = None
+        self.keeper: LogKeeper | None = None  # its SEL and audit trail kept in the cluster
         self.serial: SerialHub | None = None  # the serial console, shared by IPMI SOL and the web consoles
         self.screen: ScreenHub | None = None
         self.ipmi: Any = None
@@ -156,6 +161,8 @@ class Bmc:
     def build(self) -> None:
         spec, agent = self.spec, self.agent
         self.machine = self.agent.new_machine(spec)
+        # Before any frontend shows them: the SEL and the audit trail read back from where they are kept.
+        self.keeper = self.agent.log_keeper(spec, self.machine)
         self.serial = SerialHub(self.machine, spec.vm)
         app: Any
         web: WebFront | None = None
@@ -309,9 +316,12 @@ class Bmc:
         self.listeners = self.https = None
 
     def stop(self) -> None:
-        """Blocking (a worker thread): IPMI (returns within a fraction of a second), events, the Machine."""
+        """Blocking (a worker thread): IPMI (returns within a fraction of a second), events, what its logs have not
+        kept yet (vbmc/agent/logstore.py STOP_WAIT), the Machine."""
         if self.ipmi is not None:
             self.ipmi.stop()
+        if self.keeper is not None:
+            self.keeper.stop()
         for hub in (self.serial, self.screen):
             if hub is not None:
                 hub.stop()

@@ -48,6 +48,7 @@ class AgentConfig:
     kubeconfig: str = ""
     threads: int = 2
     subscriptions_secret: str = ""  # where Redfish event subscriptions are kept; empty: in memory
+    log_config_map: str = ""  # where the SEL and the audit trail are kept; empty: in memory
     event_ca_file: str = ""  # CA certificates, besides the system's, for HTTPS event destinations
     redfish_require_tls: bool = False  # refuse credentials over plain HTTP
     media_max_size: int = 64 * 2**30  # the largest image virtual media imports
@@ -93,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--subscriptions-secret", default=env("VBMC_SUBSCRIPTIONS_SECRET", ""), metavar="NAME",
                         help="the Secret (in --namespace) that keeps the Redfish event subscriptions, so that they "
                              "outlive the process; empty: in memory (the controller passes its own)")
+    parser.add_argument("--log-config-map", default=env("VBMC_LOG_CONFIG_MAP", ""), metavar="NAME",
+                        help="the ConfigMap (in --namespace) that keeps the SEL and the audit trail, so that they "
+                             "outlive the process; created on the first entry, owned by --vmbmc; empty: in memory "
+                             "(the controller passes its own)")
     parser.add_argument("--event-ca-file", default=env("VBMC_EVENT_CA_FILE", ""), metavar="FILE",
                         help="CA certificates trusted, besides the system's, for HTTPS event destinations")
     parser.add_argument("--backend", choices=("kubevirt", "memory"), default=env("VBMC_BACKEND", "kubevirt"),
@@ -132,6 +137,8 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
         problems.append("--redfish-tls-address needs --tls-cert and --tls-key")
     if args.subscriptions_secret and args.backend != "kubevirt":
         problems.append("--subscriptions-secret needs the kubevirt backend")
+    if args.log_config_map and (args.backend != "kubevirt" or not args.vmbmc):
+        problems.append("--log-config-map needs the kubevirt backend and --vmbmc (the ConfigMap's owner)")
     if vmstate.quantity_bytes(args.media_max_size) <= 0:
         problems.append(f"--media-max-size {args.media_max_size!r} is not a size (such as 64Gi)")
     if not 0 <= args.keep_ejected_media <= 86400:
@@ -147,6 +154,7 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
                        redfish_tls_address=args.redfish_tls_address,
                        tls_cert=args.tls_cert, tls_key=args.tls_key, kubeconfig=args.kubeconfig,
                        threads=args.threads, subscriptions_secret=args.subscriptions_secret,
+                       log_config_map=args.log_config_map,
                        event_ca_file=args.event_ca_file, redfish_require_tls=args.redfish_require_tls == "true",
                        media_max_size=vmstate.quantity_bytes(args.media_max_size),
                        cdi_upload_proxy=args.cdi_upload_proxy, cdi_upload_proxy_ca=args.cdi_upload_proxy_ca,
@@ -221,7 +229,7 @@ def dedicated(config: AgentConfig) -> tuple[Settings, BmcSpec]:
                    redfish=config.redfish, require_tls=config.redfish_require_tls,
                    tls_cert=_read(config.tls_cert) if config.tls_cert else "",
                    tls_key=_read(config.tls_key) if config.tls_key else "",
-                   subscriptions_secret=config.subscriptions_secret,
+                   subscriptions_secret=config.subscriptions_secret, log_config_map=config.log_config_map,
                    ipmi_host=ipmi_host, http_host=http_host, https_host=https_host)
     settings = Settings(namespace=config.namespace, backend=config.backend, threads=config.threads,
                         event_ca_file=config.event_ca_file, media_max_size=config.media_max_size,

@@ -52,6 +52,7 @@ _FIELDS: dict[str, tuple[str, type, bool]] = {
     "tlsCert": ("tls_cert", str, False),
     "tlsKey": ("tls_key", str, False),
     "subscriptionsSecret": ("subscriptions_secret", str, False),
+    "logConfigMap": ("log_config_map", str, False),
 }
 
 

@@ -58,6 +58,7 @@ from ..redfish.server import (
     quiet_loop_errors,
 )
 from .bmc import Bmc, BmcSpec, stale_reads_metric
+from .logstore import LogKeeper
 from .pool import POOL_KEY, PoolConfigError, Source, parse_pool, plan
 
 log = logging.getLogger("vbmc.agent")
@@ -154,6 +155,15 @@ class Agent:
 
         return SecretStore(self.kube, self.settings.namespace, spec.subscriptions_secret)
 
+    def log_keeper(self, spec: BmcSpec, machine: Machine) -> LogKeeper | None:
+        bmc_watch = getattr(machine, "bmc_watch", None)
+        if not spec.log_config_map or self.kube is None or bmc_watch is None:
+            return None  # kept in memory
+        keeper = LogKeeper(self.kube, self.settings.namespace, spec.log_config_map, machine.event_log,
+                           machine.audit_trail, owner=lambda: bmc_watch.obj, who=self.who(spec))
+        keeper.start()
+        return keeper
+
     async def open_listeners(self, front: RedfishFront, host: str, port: int, tls: ssl.SSLContext | None,
                              slots: Any) -> Listeners:
         sock = bind_listener(host, port, slots, self._hc.backlog)
@@ -213,7 +223,7 @@ class Agent:
                 await asyncio.to_thread(bmc.stop)  # whatever it had started (its Machine's watches)
             except Exception as stop_error:
                 log.error("%s did not stop cleanly: %r", self.who(bmc.spec), stop_error)
-            bmc.machine = bmc.events = bmc.front = None
+            bmc.machine = bmc.events = bmc.front = bmc.keeper = None
             return
         await self._open(bmc)
         self._log_started(bmc)

@@ -15,6 +15,9 @@ sdr.py.
 Transitions (PoweringOn, PoweringOff) are not logged: a physical SEL records where power went, not the way there.
 The log holds CAPACITY entries; when full it logs no more and Get SEL Info reports the overflow (section 31.2), as
 a physical BMC does until someone clears it.
+
+What a client is shown is kept first (SystemEventLog.settle, vbmc/access/keeping.py): Get SEL Info and Get SEL Entry
+settle before they read, Add SEL Entry and Clear SEL before they answer.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ class EventLog:
             return struct.pack("<H", record_id) + rest
 
         record = self.log.add_raw(build)
+        self.log.settle()
         if record is None:
             return Completion.OUT_OF_SPACE, b""
         return Completion.OK, struct.pack("<H", record.record_id)
@@ -139,6 +143,7 @@ class EventLog:
     def info(self) -> bytes:
         """Get SEL Info (table 31-2): version, entries, free bytes, last addition and erase, operations: overflow
         flag (bit 7), Reserve SEL supported (bit 1)."""
+        self.log.settle()
         count = len(self.log)
         free = (self.log.capacity - count) * ENTRY_SIZE
         operations = (0x80 if self.overflow else 0) | 0x02
@@ -156,6 +161,7 @@ class EventLog:
         if len(request) != 6:
             return Completion.REQUEST_DATA_LENGTH_INVALID, b""
         reservation, record_id, offset, count = struct.unpack("<HHBB", request)
+        self.log.settle()
         entries = self._entries()
         with self._lock:
             if offset and reservation != self._reservation:
@@ -189,6 +195,7 @@ class EventLog:
                 return Completion.RESERVATION_CANCELLED, b""
         if request[5] == CLEAR_INITIATE:
             self.log.clear()
+            self.log.settle()
         return Completion.OK, bytes([ERASURE_COMPLETED])
 
     def __len__(self) -> int:

@@ -9,6 +9,11 @@ records; when full it logs no more and says so (`overflow`), as a physical BMC d
 
 Its clock is the BMC's SEL clock: the machine's time, moved by IPMI Set SEL Time; every record is stamped with it
 when logged. Thread-safe: the bus publishes on other threads.
+
+Kept beyond the process by its `keeper` (vbmc/access/keeping.py; the agent's writes it to a ConfigMap): told of every
+record, clear and overflow, and asked to settle by the frontends before a client reads the log (`settle`). What it
+reads back becomes the log with `adopt`, which also merges what was logged here meanwhile (see there). The SEL
+clock's offset (Set SEL Time) is not kept: a new process starts on the machine's time.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ..access.keeping import NOT_KEPT, Keeper
 from .events import POWER_STATE_CHANGED, Event, EventBus
 
 CAPACITY = 256
@@ -46,6 +52,22 @@ class LogRecord:
     raw: bytes = b""  # the 16 bytes a client added (IPMI Add SEL Entry), with the log's record ID and stamp
 
 
+def next_record_id(record_id: int) -> int:
+    """IPMI's record IDs run 1 to FFFEh and wrap (0000h and FFFFh are reserved)."""
+    return record_id % 0xFFFE + 1
+
+
+@dataclass(frozen=True)
+class SelState:
+    """The log without its clock: what a keeper writes and reads back."""
+
+    records: tuple[LogRecord, ...] = ()
+    next_id: int = 1
+    added: int = NEVER
+    erased: int = NEVER
+    overflow: bool = False
+
+
 class SystemEventLog:
     def __init__(self, capacity: int = CAPACITY, clock: Callable[[], float] = time.time) -> None:
         self._lock = threading.Lock()
@@ -59,6 +81,7 @@ class SystemEventLog:
         self.added = NEVER  # SEL-clock stamps of the last addition and the last erase
         self.erased = NEVER
         self.overflow = False
+        self.keeper: Keeper = NOT_KEPT
 
     @property
     def capacity(self) -> int:
@@ -98,13 +121,17 @@ class SystemEventLog:
     def _add(self, make: Callable[[int], LogRecord], stamp: int) -> LogRecord | None:
         with self._lock:
             if len(self._records) >= self._capacity:
-                self.overflow = True
-                return None
-            record = make(self._next_id)
-            self._next_id = self._next_id % 0xFFFE + 1
-            self._records.append(record)
-            self.added = stamp
-            return record
+                changed, self.overflow = not self.overflow, True  # the overflow flag is kept too
+                record = None
+            else:
+                changed = True
+                record = make(self._next_id)
+                self._next_id = next_record_id(self._next_id)
+                self._records.append(record)
+                self.added = stamp
+        if changed:
+            self.keeper.changed()
+        return record
 
     def records(self) -> list[LogRecord]:
         with self._lock:
@@ -119,6 +146,39 @@ class SystemEventLog:
             self._records.clear()
             self.overflow = False
             self.erased = self.now()
+        self.keeper.changed()
+
+    def settle(self) -> None:
+        """Before a client reads the log or hears that it changed: what it will see is kept (vbmc/access/keeping.py)."""
+        self.keeper.settle()
+
+    def state(self) -> SelState:
+        with self._lock:
+            return SelState(tuple(self._records), self._next_id, self.added, self.erased, self.overflow)
+
+    def adopt(self, kept: SelState, synced: SelState) -> SelState:
+        """Become `kept` (what the keeper read back), followed by what was logged here since `synced` (the state
+        last kept from here, or read back): those records take the next IDs after `kept`'s, as they would have had
+        they been logged there, up to the capacity. A clear done here since `synced` clears `kept`'s records too.
+        Another writer's records (a second agent for a while) and this one's are so both kept. Returns the new
+        state, to be kept."""
+        with self._lock:
+            known = {r.record_id for r in synced.records}
+            fresh = [r for r in self._records if r.record_id not in known]
+            cleared_here = self.erased != synced.erased
+            records = [] if cleared_here else list(kept.records)
+            overflow = (not cleared_here and kept.overflow) or (self.overflow and (cleared_here or not synced.overflow))
+            next_id, added = kept.next_id, kept.added
+            for record in fresh:
+                if len(records) >= self._capacity:
+                    overflow = True
+                    break
+                raw = next_id.to_bytes(2, "little") + record.raw[2:] if record.raw else b""
+                records.append(replace(record, record_id=next_id, raw=raw))
+                next_id, added = next_record_id(next_id), record.stamp
+            self._records, self._next_id, self.added, self.overflow = records, next_id, added, overflow
+            self.erased = self.erased if cleared_here else kept.erased
+            return SelState(tuple(records), next_id, added, self.erased, overflow)
 
     def now(self) -> int:
         return int(self._clock() + self._offset)

@@ -1,6 +1,7 @@
 """Logs: the System's SEL (the machine's system event log, vbmc/machine/eventlog.py: the records IPMI's SEL shows,
 one record with two views) and the Manager's audit trail (vbmc/access/audit.py: who did what through this BMC),
-each a LogService with its entries and ClearLog."""
+each a LogService with its entries and ClearLog. Both settle (vbmc/access/keeping.py) before their entries are
+read and before a ClearLog is answered: what a client has seen is kept."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def blueprint(svc: Service) -> Blueprint:
 
     def log_routes(owner: str, log_id: str, kind: str, entries: Callable[[], list[Any]],
                    find: Callable[[int], Any], render: Callable[[str, Any], dict[str, Any]],
-                   service: Callable[[str], dict[str, Any]], clear: Callable[[], None]) -> None:
+                   service: Callable[[str], dict[str, Any]], clear: Callable[[], None],
+                   settle: Callable[[], None]) -> None:
         base = f"{owner}/LogServices"
         path = f"{base}/{log_id}"
 
@@ -42,6 +44,7 @@ def blueprint(svc: Service) -> Blueprint:
         @route(bp, f"{path}/Entries", endpoint=f"{kind}_entries")
         def log_entries() -> Response:
             # LogEntryCollection's Members are auto-expanded (Redfish.AutoExpand): whole entries, not links.
+            settle()
             doc = resources.collection("LogEntryCollection", f"{path}/Entries", "Log Entries", [])
             doc["Members"] = [render(path, e) for e in entries()]
             doc["Members@odata.count"] = len(doc["Members"])
@@ -49,6 +52,7 @@ def blueprint(svc: Service) -> Blueprint:
 
         @route(bp, f"{path}/Entries/<entry_id>", endpoint=f"{kind}_entry")
         def log_entry(entry_id: str) -> Response:
+            settle()
             found = find(int(entry_id)) if entry_id.isdigit() and len(entry_id) < 8 else None
             if found is None:
                 raise not_found(request.path)
@@ -58,16 +62,17 @@ def blueprint(svc: Service) -> Blueprint:
         def clear_log() -> Response:
             payloads.parse_action(payloads.ClearLogAction, svc.body(), "LogService.ClearLog")
             clear()
+            settle()
             return svc.no_content()
 
     events = machine.event_log
     log_routes(ids.system, resources.SEL_LOG, "sel", events.records, events.find, resources.sel_entry,
                lambda path: resources.log_service(path, resources.SEL_LOG, "System Event Log", SEL_DESCRIPTION,
                                                   "SEL", events.capacity, "NeverOverWrites", events.now()),
-               events.clear)
+               events.clear, events.settle)
     trail = machine.audit_trail
     log_routes(ids.manager, resources.AUDIT_LOG, "audit", trail.entries, trail.find, resources.audit_entry,
                lambda path: resources.log_service(path, resources.AUDIT_LOG, "Audit Log", AUDIT_DESCRIPTION,
                                                   "Event", trail.capacity, "WrapsWhenFull", time.time()),
-               trail.clear)
+               trail.clear, trail.settle)
     return bp
