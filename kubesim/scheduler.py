@@ -122,8 +122,9 @@ def why_not(pod: Obj, node: Obj, nodes: dict[str, Obj], placed: list[tuple[Obj, 
 
 
 def unschedulable_message(total: int, reasons: list[str]) -> str:
-    counts = Counter(reasons)
-    return f"0/{total} nodes are available: " + ", ".join(f"{n} {why}" for why, n in sorted(counts.items())) + "."
+    """FitError.Error: each reason with its count of nodes, the strings sorted (so by count first)."""
+    counted = sorted(f"{n} {why}" for why, n in Counter(reasons).items())
+    return f"0/{total} nodes are available: " + ", ".join(counted) + "."
 
 
 def pick(candidates: list[str], load: dict[str, int]) -> str:
