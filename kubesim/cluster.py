@@ -175,6 +175,7 @@ class Cluster:
         self.server = ApiServer(self.store, self.tokens, self.config.bookmark_interval, tls)
         self.server.admin_user = ADMIN_USER
         self.server.node_power = lambda name, on: (self.power_on_node if on else self.power_off_node)(name)
+        self.server.node_report = lambda: self.nodes.report()
         self.components: list[Component] = []
         self.address = ""
         self.kubeconfig = ""

@@ -81,6 +81,7 @@ class Nodes:
         self.names = node_names(cluster.config.nodes)
         self.interval = renew_interval(cluster.config.node_monitor_grace_period)
         self.down: set[str] = set()
+        self.writes = 0  # the kubelets' heartbeat writes (Leases, Node statuses): what a write count should leave out
         self._posted: dict[str, float] = {}  # node -> when its kubelet last posted its status (monotonic)
         self._wake = threading.Event()
         self._stopping = False
@@ -101,6 +102,12 @@ class Nodes:
     def up(self, name: str) -> bool:
         with self._lock:
             return name in self.names and name not in self.down
+
+    def report(self) -> Obj:
+        """What kubesim's admin API says of its nodes: each one's power, and the heartbeat writes so far."""
+        with self._lock:
+            return {"items": [{"name": n, "powered": n not in self.down} for n in self.names],
+                    "heartbeatWrites": self.writes}
 
     def power_off(self, name: str) -> None:
         self._known(name)
@@ -151,6 +158,7 @@ class Nodes:
         else:
             store.mutate(lease_type, LEASE_NAMESPACE, name, lambda lease: lease["spec"].update(renewTime=renewed),
                          manager="kubelet", only="spec")
+        self.writes += 1
         at = time.monotonic()
         node = store.get(store.type("/nodes"), "", name)
         ready: Obj = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
@@ -161,6 +169,7 @@ class Nodes:
                          lambda obj: obj.update(status=ready_status(name, now(), obj.get("status"))),
                          subresource="status", manager="kubelet")
             self._posted[name] = at
+            self.writes += 1
 
 
 def install(cluster: Any) -> None:

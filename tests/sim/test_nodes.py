@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
+from kubernetes import client, config
 
+from kubesim.cluster import Cluster, SimConfig
 from kubesim.nodelifecycle import desired_taints, unknown_status
 from kubesim.objects import parse_time
 from kubesim.scheduler import pick, unschedulable_message, why_not
@@ -153,6 +154,31 @@ def test_every_node_is_registered_ready_and_renews_its_lease(napi: client.ApiCli
     first = lease["spec"]["renewTime"]
     wait_for(lambda: raw(napi, "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/kubesim-node-2")[
         "spec"]["renewTime"] > first, what="the kubelet to renew its Lease")
+
+
+def test_kubesims_admin_api_reports_the_nodes_power_and_heartbeats_to_its_admin_only(
+        nodes_sim: Sim, napi: client.ApiClient) -> None:
+    first = raw(napi, "/kubesim/v1/nodes")
+    assert first["items"] == [{"name": n, "powered": True} for n in NODES]
+    wait_for(lambda: raw(napi, "/kubesim/v1/nodes")["heartbeatWrites"] > first["heartbeatWrites"],
+             what="a heartbeat counted")
+    assert call(napi, "POST", "/kubesim/v1/nodes/no-such-node/power-off").status == 404
+    assert call(napi, "GET", "/kubesim/v1/nodes/kubesim-node/power-off").status == 405
+
+
+def test_only_the_cluster_admin_may_switch_a_nodes_power() -> None:
+    cluster = Cluster(SimConfig(port=0, kubelet_mode="fake", nodes=2))
+    cluster.start()
+    try:
+        api = config.new_client_from_config(config_file=cluster.kubeconfig)
+        token = cluster.new_token("system:serviceaccount:default:default")
+        reply = call(api, "POST", "/kubesim/v1/nodes/kubesim-node-2/power-off", token=token)
+        assert reply.status == 403 and reply.body["reason"] == "Forbidden"
+        assert cluster.nodes.up("kubesim-node-2")
+        assert call(api, "POST", "/kubesim/v1/nodes/kubesim-node-2/power-off").status == 200
+        assert not cluster.nodes.up("kubesim-node-2")
+    finally:
+        cluster.stop()
 
 
 # ---- scheduling
