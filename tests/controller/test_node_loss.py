@@ -1,6 +1,7 @@
-"""A BMC whose node is lost, as a cluster loses one: the controller's agent, evicted after its node loss toleration
-(--agent-node-loss-toleration, the chart's agent.nodeLossTolerationSeconds), answers IPMI and Redfish again at the
-same Service address from another node, while the pod on the lost node stays Terminating.
+"""A BMC whose node is lost, as a cluster loses one: the controller's agent (dedicated, or a pool's for all its
+members), evicted after its node loss toleration (--agent-node-loss-toleration, the chart's
+agent.nodeLossTolerationSeconds), answers IPMI and Redfish again at the same Service address from another node,
+while the pod on the lost node stays Terminating.
 
 kubesim runs two nodes with a node monitor grace period of 2 s (tests/sim/test_nodes.py holds it to Kubernetes'
 node lifecycle and taint eviction controllers); the controller gives its agents a toleration of 3 s. How long the
@@ -46,22 +47,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Sim, cli
     sim.stop()
 
 
-def agent_pods(api: client.ApiClient) -> list[dict[str, Any]]:
-    return [p for p in pods(api, NS) if p["metadata"].get("labels", {}).get("bmc.kubevirt.io/vm") == "vm"]
+def agent_pods(api: client.ApiClient, ns: str = NS) -> list[dict[str, Any]]:
+    return [p for p in pods(api, ns) if p["metadata"].get("labels", {}).get("app.kubernetes.io/name") ==
+            "kubevbmc-agent"]
 
 
-def serving(api: client.ApiClient) -> list[dict[str, Any]]:
+def serving(api: client.ApiClient, ns: str = NS) -> list[dict[str, Any]]:
     """The agent pods that are Ready and not being deleted."""
-    return [p for p in agent_pods(api) if not p["metadata"].get("deletionTimestamp") and any(
+    return [p for p in agent_pods(api, ns) if not p["metadata"].get("deletionTimestamp") and any(
         c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
 
 
-def redfish_power_state(ip: str) -> str:
+def redfish_power_state(ip: str, vm: str = "vm") -> str:
     insecure = ssl.create_default_context()
     insecure.check_hostname = False
     insecure.verify_mode = ssl.CERT_NONE
     token = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
-    request = urllib.request.Request(f"https://{ip}/redfish/v1/Systems/vm", headers={"Authorization": f"Basic {token}"})
+    request = urllib.request.Request(f"https://{ip}/redfish/v1/Systems/{vm}",
+                                     headers={"Authorization": f"Basic {token}"})
     with urllib.request.urlopen(request, context=insecure, timeout=5) as resp:
         return str(json.loads(resp.read())["PowerState"])
 
@@ -114,3 +117,34 @@ def test_a_dedicated_bmc_whose_node_is_lost_answers_again_from_another_node(
     wait_for(lambda: [p["metadata"]["name"] for p in agent_pods(api)] == [replacement["metadata"]["name"]],
              what="the powered-on node to finish the evicted agent")
     assert answers_ipmi(ip)
+
+
+def test_a_pool_whose_node_is_lost_serves_every_member_again_from_another_node(
+        cluster: tuple[Sim, client.ApiClient]) -> None:
+    sim, api = cluster
+    ns = "lost-pool"
+    assert call(api, "POST", "/api/v1/namespaces", {"metadata": {"name": ns}}).status == 201
+    members = ["vm-a", "vm-b"]
+    for vm in members:
+        make_vm(api, ns, vm)
+        make_secret(api, ns, f"{vm}-auth")
+        apply_bmc(api, ns, vm, vm=vm, secret=f"{vm}-auth", agentPool="lab")
+    wait_for(lambda: all(is_ready(api, ns, vm) for vm in members), timeout=60, what="both pooled BMCs Ready")
+    ips = {vm: get_bmc(api, ns, vm)["status"]["clusterIP"] for vm in members}
+    [first] = serving(api, ns)
+    assert [t["tolerationSeconds"] for t in first["spec"]["tolerations"]] == [TOLERATION, TOLERATION]
+
+    sim.power_off_node(first["spec"]["nodeName"])
+
+    replacement = wait_for(lambda: [p for p in serving(api, ns) if p["metadata"]["name"] != first["metadata"]["name"]],
+                           what="a replacement pool agent Ready")[0]
+    assert replacement["spec"]["nodeName"] != first["spec"]["nodeName"]
+    for vm, ip in ips.items():
+        assert wait_for(lambda ip=ip: answers_ipmi(ip), what=f"IPMI of {vm} from the replacement")
+        assert wait_for(lambda ip=ip, vm=vm: redfish_power_state(ip, vm), what=f"Redfish of {vm}") == "Off"
+    evicted = call(api, "GET", f"/api/v1/namespaces/{ns}/pods/{first['metadata']['name']}").body
+    assert evicted["metadata"]["deletionTimestamp"]  # Terminating on the lost node
+
+    sim.power_on_node(first["spec"]["nodeName"])
+    wait_for(lambda: [p["metadata"]["name"] for p in agent_pods(api, ns)] == [replacement["metadata"]["name"]],
+             what="the powered-on node to finish the evicted pool agent")
