@@ -297,13 +297,29 @@ def test_a_pod_tolerating_node_loss_without_seconds_stays_while_an_untolerated_t
             nodeSelector=pinned, tolerations=tolerations, terminationGracePeriodSeconds=5)})
     ready_pods(napi, ns, "forever")
     ready_pods(napi, ns, "brief")
+    core.create_namespaced_service(ns, {"metadata": {"name": "forever"}, "spec": {
+        "selector": {"app": "forever"}, "ports": [{"port": 80, "targetPort": 9000}]}})
+    wait_for(lambda: raw(napi, f"/api/v1/namespaces/{ns}/endpoints/forever").get("subsets"), what="endpoints")
 
     nodes_sim.power_off_node("kubesim-node-2")
     wait_for(lambda: raw(napi, f"/api/v1/namespaces/{ns}/pods/brief")["metadata"].get("deletionTimestamp"),
              what="the briefly tolerating pod to be evicted")
     forever = raw(napi, f"/api/v1/namespaces/{ns}/pods/forever")
     assert not forever["metadata"].get("deletionTimestamp")  # the taint eviction controller went by it
-    assert condition(forever, "Ready")["status"] == "False"  # but it is out of its Services
+    assert condition(forever, "Ready")["status"] == "False"  # but it is out of its Service's ready addresses:
+    [subset] = wait_for(lambda: (e := raw(napi, f"/api/v1/namespaces/{ns}/endpoints/forever"))["subsets"] and not
+                        e["subsets"][0].get("addresses") and e["subsets"], what="the pod among the not ready")
+    assert [a["targetRef"]["name"] for a in subset["notReadyAddresses"]] == ["forever"]
+
+    # The unreachable NoSchedule taint keeps new pods off the node, whatever they tolerate of NoExecute.
+    core.create_namespaced_pod(ns, {"metadata": {"name": "late"}, "spec": name_server(
+        nodeSelector=pinned, tolerations=node_loss_tolerations(None))})
+    late = wait_for(lambda: (p := raw(napi, f"/api/v1/namespaces/{ns}/pods/late")).get("status", {}).get(
+        "conditions") and p, what="the late pod found unschedulable")
+    assert not late["spec"].get("nodeName")
+    assert condition(late, "PodScheduled")["message"] == (
+        "0/3 nodes are available: 1 node(s) had untolerated taint {node.kubernetes.io/unreachable: }, "
+        "2 node(s) didn't match Pod's node affinity/selector.")
 
     core.patch_node("kubesim-node-2", {"spec": {"taints": [
         *core.read_node("kubesim-node-2").to_dict()["spec"]["taints"],
