@@ -329,6 +329,34 @@ def test_a_pod_tolerating_node_loss_without_seconds_stays_while_an_untolerated_t
     assert condition(evicted, "DisruptionTarget")["reason"] == "DeletionByTaintManager"
 
 
+def test_a_recreate_rollout_waits_for_the_pod_terminating_on_a_lost_node(
+        nodes_sim: Sim, napi: client.ApiClient, core: client.CoreV1Api, ns: str) -> None:
+    """recreate.go oldPodsRunning counts every old pod not Succeeded or Failed, a Terminating one too: a rollout
+    of a one-replica Recreate Deployment (the agents') whose old pod is stuck on a lost node runs nothing at all
+    until that pod is gone."""
+    apps = client.AppsV1Api(napi)
+    body = deployment("rec", tolerations=node_loss_tolerations(1), terminationGracePeriodSeconds=5)
+    body["spec"]["strategy"] = {"type": "Recreate"}
+    apps.create_namespaced_deployment(ns, body)
+    [first] = ready_pods(napi, ns, "rec")
+    lost = first["spec"]["nodeName"]
+    nodes_sim.power_off_node(lost)
+    [replacement] = ready_pods(napi, ns, "rec")  # the old ReplicaSet's replacement, elsewhere
+
+    apps.patch_namespaced_deployment("rec", ns, {"spec": {"template": {"metadata": {"annotations": {"v": "2"}}}}})
+    wait_for(lambda: [p["metadata"]["name"] for p in pods(napi, ns, "rec")] == [first["metadata"]["name"]],
+             what="the replacement scaled away with its old ReplicaSet")
+    # The deployment controller's decision: the old ReplicaSet at 0, and no new one while an old pod is running.
+    wait_for(lambda: apps.read_namespaced_deployment("rec", ns).status.observed_generation == 2
+             and [rs.spec.replicas for rs in apps.list_namespaced_replica_set(ns).items] == [0],
+             what="the rollout to wait with no ReplicaSet scaled up")
+    assert not apps.read_namespaced_deployment("rec", ns).status.ready_replicas
+
+    nodes_sim.power_on_node(lost)  # the kubelet finishes the old pod; only then does the new one start
+    [new] = ready_pods(napi, ns, "rec")
+    assert new["metadata"]["name"] not in (first["metadata"]["name"], replacement["metadata"]["name"])
+
+
 def parse_micro(text: str) -> float:
     return parse_time(text.split(".")[0] + "Z") + float("0." + text.split(".")[1].rstrip("Z"))
 
