@@ -6,9 +6,11 @@ the figures are the controller's and the API server's, not the agents'. The peer
 state; 10,000 Ready within 300 s and RSS under 600 MB, issue 29), printed next to what was measured.
 
 Writes are counted by kubesim's global resourceVersion, which moves once per write of anybody: it counts every
-write in the cluster. Leader election renews its Lease every 2 s by design; the steady-state window is measured
-with leader election off, once the controller's work queue is empty after the last Ready (the time that took is
-printed), and the controller's own counter (kubevbmc_controller_api_writes_total) is shown too.
+write in the cluster, less the kubelets' heartbeats (their Lease renewals and node status posts, which kubesim's
+admin API counts: every cluster has them, whatever runs on it). Leader election renews its Lease every 2 s by
+design; the steady-state window is measured with leader election off, once the controller's work queue is empty
+after the last Ready (the time that took is printed), and the controller's own counter
+(kubevbmc_controller_api_writes_total) is shown too.
 kubesim keeps its threads on one CPU (its --cpu, here --sim-cpu) and the controller and this benchmark keep off it
 (on a cluster they are other pods, on other nodes): `--sim-cpu all` leaves every process on every CPU.
 Day 2: the controller is then restarted over the converged cluster, and kubesim then closes every watch after a
@@ -128,6 +130,16 @@ def cluster_rv(api: KubeClient) -> int:
     return int(api.request("GET", "/api/v1/namespaces")["metadata"]["resourceVersion"])
 
 
+def writes_so_far(api: KubeClient) -> int:
+    """The cluster's writes so far but the kubelets' heartbeats (see the module's docstring): the resourceVersion
+    read between two equal heartbeat counts, so that no heartbeat fell between the reads."""
+    while True:
+        before = int(api.request("GET", "/kubesim/v1/nodes")["heartbeatWrites"])
+        rv = cluster_rv(api)
+        if int(api.request("GET", "/kubesim/v1/nodes")["heartbeatWrites"]) == before:
+            return rv - before
+
+
 def memory(pid: int) -> tuple[float, float]:
     rss = pss = 0.0
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
@@ -229,11 +241,11 @@ def quiet_window(api: KubeClient, act: Callable[[], str], seconds: float, bmcs: 
     """`act` (which returns the controller's metrics URL), then the writes cluster-wide (less `skip_revisions`
     that are not writes), the controller's writes and the Events until it has reconciled every BMC again and for
     `seconds` more; and how long that reconciling took."""
-    rv0 = cluster_rv(api) + skip_revisions
+    rv0 = writes_so_far(api) + skip_revisions
     metrics_url = act()
     settled = settle(metrics_url, bmcs, timeout=max(300.0, bmcs / 20))
     time.sleep(seconds)
-    return cluster_rv(api) - rv0, controller_writes(metrics_url), event_count(api), settled
+    return writes_so_far(api) - rv0, controller_writes(metrics_url), event_count(api), settled
 
 
 def other_cpus(sim_cpu: str) -> set[int] | None:
@@ -313,9 +325,9 @@ def main() -> int:
         converged = drained(metrics_url, timeout=180)
         print(f"work queue empty {converged:.1f} s after the last Ready", flush=True)
         time.sleep(5)  # let the last status writes and watch events settle
-        rv0, writes0 = cluster_rv(api), controller_writes(metrics_url)
+        rv0, writes0 = writes_so_far(api), controller_writes(metrics_url)
         time.sleep(args.steady)
-        rv1, writes1 = cluster_rv(api), controller_writes(metrics_url)
+        rv1, writes1 = writes_so_far(api), controller_writes(metrics_url)
         rss, pss = memory(controller.pid)
         peaks = {"first controller, Ready and steady": peak_rss(controller.pid)}
         events0 = event_count(api)

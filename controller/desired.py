@@ -365,6 +365,19 @@ def _agent_container(settings: Settings, args: list[str], ports: list[Obj], env:
     }
 
 
+NODE_LOSS_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+
+
+def node_loss_tolerations(seconds: int) -> list[Obj]:
+    """How long an agent waits on a lost node before it is evicted and started elsewhere. Without tolerations of
+    its own a pod gets 300 s of each from the API server (the DefaultTolerationSeconds admission plugin): a BMC
+    dark for the node monitor grace period (40 s) plus five minutes plus its start. An agent holds no state of its
+    own (the VM, its status and the BMC's live in the API server), so another one can take over at once; the
+    toleration only rides out a brief outage of its node (a kubelet restart) before giving up on it."""
+    return [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}
+            for key in NODE_LOSS_TAINTS]
+
+
 def _agent_deployment(meta: Obj, match: dict[str, str], pod_labels: dict[str, str], annotations: dict[str, str],
                       service_account: str, settings: Settings, container: Obj, volumes: list[Obj]) -> Obj:
     pull_secrets = [{"name": secret} for secret in settings.agent_image_pull_secrets]
@@ -380,6 +393,7 @@ def _agent_deployment(meta: Obj, match: dict[str, str], pod_labels: dict[str, st
             "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
             **({"imagePullSecrets": pull_secrets} if pull_secrets else {}),
+            "tolerations": node_loss_tolerations(settings.agent_node_loss_toleration),
             "containers": [container],
             "volumes": [{"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}}, *volumes]}}}}
 

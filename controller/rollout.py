@@ -2,10 +2,11 @@
 updated agent does not become ready.
 
 What changes every agent at once is the fleet's part of the pod template: the image, its pull policy and
-Secrets, the agents' log level, and the template's shape (TEMPLATE_VERSION, bumped when this controller changes
-what it renders). Its digest is the pod template annotation REVISION. A Deployment whose revision is not the
-target waits for its turn; meanwhile a change of its BMC's own inputs (its Secret, its VM, its spec) is applied
-at once, rendered with the fleet settings the Deployment already runs (`running_settings`).
+Secrets, the agents' log level, their node loss tolerations, and the template's shape (TEMPLATE_VERSION, bumped
+when this controller changes what it renders). Its digest is the pod template annotation REVISION. A Deployment
+whose revision is not the target waits for its turn; meanwhile a change of its BMC's own inputs (its Secret, its
+VM, its spec) is applied at once, rendered with the fleet settings the Deployment already runs
+(`running_settings`).
 
 The plan is a pure function of the agent Deployments as the API server has them, computed at every reconcile:
 nothing is kept in memory or annotations, so a controller restarted mid-rollout carries on where it was. An
@@ -31,12 +32,12 @@ Obj = dict[str, Any]
 Key = tuple[str, str]
 
 REVISION = "bmc.kubevirt.io/agent-revision"
-TEMPLATE_VERSION = "3"  # the pod template's shape: bumped with every change of what desired renders
+TEMPLATE_VERSION = "4"  # the pod template's shape: bumped with every change of what desired renders
 
 
 def revision(settings: Settings) -> str:
     fleet = [TEMPLATE_VERSION, settings.agent_image, settings.agent_image_pull_policy,
-             list(settings.agent_image_pull_secrets), settings.agent_log_level]
+             list(settings.agent_image_pull_secrets), settings.agent_log_level, settings.agent_node_loss_toleration]
     return hashlib.sha256(json.dumps(fleet).encode()).hexdigest()[:10]
 
 
@@ -55,11 +56,13 @@ def running_settings(settings: Settings, deployment: Obj) -> Settings | None:
     container: Obj = next(iter(pod.get("containers") or []), {})
     args = [str(a) for a in container.get("args") or []]
     level = args[args.index("--log-level") + 1] if "--log-level" in args[:-1] else settings.agent_log_level
+    toleration = next((int(t["tolerationSeconds"]) for t in pod.get("tolerations") or []
+                       if t.get("tolerationSeconds") is not None), settings.agent_node_loss_toleration)
     running = dataclasses.replace(
         settings, agent_image=str(container.get("image") or ""),
         agent_image_pull_policy=str(container.get("imagePullPolicy") or ""),
         agent_image_pull_secrets=tuple(str(s.get("name")) for s in pod.get("imagePullSecrets") or []),
-        agent_log_level=level)
+        agent_log_level=level, agent_node_loss_toleration=toleration)
     return running if revision(running) == revision_of(deployment) else None
 
 

@@ -21,6 +21,9 @@ class Settings:
     agent_image_pull_policy: str = ""  # "": the pod template leaves it to Kubernetes' default
     agent_image_pull_secrets: tuple[str, ...] = ()  # Secrets in each VirtualMachineBMC's namespace
     agent_log_level: str = "info"  # the agents' --log-level: debug also logs every IPMI read
+    # How long an agent stays bound to a node that is unreachable or not ready before it is evicted and started on
+    # another node: its tolerationSeconds of node.kubernetes.io/unreachable and not-ready (Kubernetes' default 300).
+    agent_node_loss_toleration: int = 30
     default_service_type: str = "ClusterIP"  # for a VirtualMachineBMC that leaves spec.service.type unset
     namespace: str = ""  # "" watches every namespace
     workers: int = 8
@@ -51,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "none)")
     parser.add_argument("--agent-log-level", default=env("KUBEVBMC_AGENT_LOG_LEVEL", "info"), choices=LOG_LEVELS,
                         help="the --log-level of the agents (default %(default)s; debug logs IPMI reads too)")
+    parser.add_argument("--agent-node-loss-toleration", type=node_loss_toleration,
+                        default=env("KUBEVBMC_AGENT_NODE_LOSS_TOLERATION", "30"), metavar="SECONDS",
+                        help="how long an agent stays on a node that is unreachable or not ready before it is "
+                             "evicted and started on another node: the agent pods' tolerationSeconds of "
+                             "node.kubernetes.io/unreachable and not-ready (default %(default)s; Kubernetes gives "
+                             "pods 300)")
     parser.add_argument("--default-service-type", default=env("KUBEVBMC_DEFAULT_SERVICE_TYPE", "ClusterIP"),
                         choices=SERVICE_TYPES,
                         help="the agent Service type when spec.service.type is unset (default %(default)s)")
@@ -122,6 +131,13 @@ def batch(text: str) -> str:
     return found.group(0)
 
 
+def node_loss_toleration(text: str) -> int:
+    """Whole seconds from 0 (evicted as soon as the node is found unreachable) to a day."""
+    if not text.strip().isdigit() or not 0 <= int(text) <= 86400:
+        raise argparse.ArgumentTypeError(f"not a number of seconds from 0 to 86400: {text!r}")
+    return int(text)
+
+
 def rollout_timeout(text: str) -> int:
     """Whole seconds from `10m`, `90s` or `90`, from 5 seconds to a day."""
     found = DURATION.fullmatch(text.strip())
@@ -136,7 +152,7 @@ def rollout_timeout(text: str) -> int:
 def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(agent_image=args.agent_image, agent_image_pull_policy=args.agent_image_pull_policy,
                     agent_image_pull_secrets=args.agent_image_pull_secrets,
-                    agent_log_level=args.agent_log_level,
+                    agent_log_level=args.agent_log_level, agent_node_loss_toleration=args.agent_node_loss_toleration,
                     default_service_type=args.default_service_type, namespace=args.namespace,
                     workers=max(1, args.workers), resync_seconds=args.resync,
                     certificate_duration=args.certificate_duration, rollout_batch=args.rollout_batch,

@@ -8,6 +8,7 @@ from typing import Any
 
 from . import cel
 from .resources import ResourceType
+from .tolerations import default_toleration_seconds
 
 Obj = dict[str, Any]
 Cause = dict[str, str]
@@ -60,6 +61,7 @@ def default_pod_spec(spec: Obj) -> None:
 
 def _default_pod(obj: Obj) -> None:
     default_pod_spec(obj.setdefault("spec", {}))
+    default_toleration_seconds(obj["spec"])
     obj.setdefault("status", {}).setdefault("phase", "Pending")
     obj["status"].setdefault("qosClass", "BestEffort")
 

@@ -73,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Service listeners kubesim keeps itself, and each proxy shard process, before the next "
                              "Services go to a new shard (default: a quarter of the limit of descriptors, half of "
                              "it for a shard)")
+    parser.add_argument("--nodes", type=int, default=1, metavar="N",
+                        help="nodes, each with its kubelet: kubesim-node, kubesim-node-2, ... (default %(default)s)")
+    parser.add_argument("--node-monitor-grace-period", type=float, default=40.0, metavar="SECONDS",
+                        help="how long a node's kubelet may be silent before the node is Unknown and tainted "
+                             "unreachable, as kube-controller-manager's flag (default %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -102,7 +107,8 @@ def config_from(args: Any) -> SimConfig:
                      accelerator=args.accelerator, guest_memory_mib=args.guest_memory, guest_cpus=args.guest_cpus,
                      netboot_dir=args.netboot_dir, state_dir=args.state_dir,
                      container_disk_dir=args.container_disk_dir or default_container_disk_dir(),
-                     proxy_listeners=max(0, args.proxy_listeners),
+                     proxy_listeners=max(0, args.proxy_listeners), nodes=args.nodes,
+                     node_monitor_grace_period=args.node_monitor_grace_period,
                      local_entrypoint=[sys.executable, "-m", "vbmc"])
 
 
@@ -130,6 +136,10 @@ def run(args: Any) -> int:
     # Before any other thread exists: every thread kubesim starts inherits the main thread's CPU.
     if not 0 <= args.token_ttl < math.inf:  # also NaN
         print(f"kubevbmc sim: --token-ttl: {args.token_ttl} is not a finite number of seconds >= 0",
+              file=sys.stderr)
+        return 2
+    if args.nodes < 1 or not 0 < args.node_monitor_grace_period < math.inf:
+        print("kubevbmc sim: --nodes must be at least 1 and --node-monitor-grace-period a positive number of seconds",
               file=sys.stderr)
         return 2
     try:

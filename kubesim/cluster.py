@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import platform
 import secrets
 import shutil
 import tempfile
@@ -17,12 +16,24 @@ from typing import Any, Protocol
 
 import yaml
 
-from . import builtin, cdi, kubelet, kubevirt, network, storage, upload, workloads
+from . import (
+    builtin,
+    cdi,
+    kubelet,
+    kubevirt,
+    network,
+    nodelifecycle,
+    nodes,
+    scheduler,
+    storage,
+    tainteviction,
+    upload,
+    workloads,
+)
 from .certs import serving_cert
 from .crd import CRD_KEY, CRDController
 from .gc import GarbageCollector, NamespaceController
-from .objects import now
-from .server import KUBE_VERSION, ApiServer
+from .server import ApiServer
 from .store import Store
 from .volumes import VolumeFiles
 
@@ -32,7 +43,7 @@ log = logging.getLogger(__name__)
 
 CRD_FILES = ("kubevirt.io_virtualmachines.yaml", "kubevirt.io_virtualmachineinstances.yaml",
              "cdi.kubevirt.io_datavolumes.yaml")
-NODE_NAME = kubelet.NODE_NAME
+NODE_NAME = nodes.NODE_NAME
 ADMIN_USER = "kubernetes-admin"
 
 
@@ -88,6 +99,11 @@ class SimConfig:
     # Service listeners kept per process before the next Services go to a proxy shard process (0: a quarter of
     # kubesim's limit of descriptors, half of a shard's; network.ProxyController).
     proxy_listeners: int = 0
+    # Nodes (kubesim/nodes.py): kubesim-node, kubesim-node-2, ...
+    nodes: int = 1
+    # kube-controller-manager's --node-monitor-grace-period: how long a node's kubelet may be silent before the
+    # node lifecycle controller marks it Unknown and taints it unreachable (kubesim/nodelifecycle.py).
+    node_monitor_grace_period: float = 40.0
 
 
 class TokenTable(dict[str, str]):
@@ -145,20 +161,6 @@ class Component(Protocol):
     def stop(self) -> None: ...
 
 
-def _node_status() -> dict[str, Any]:
-    at = now()
-    return {
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                        "message": "kubelet is posting ready status", "lastHeartbeatTime": at,
-                        "lastTransitionTime": at}],
-        "addresses": [{"type": "InternalIP", "address": kubelet.HOST_IP}, {"type": "Hostname", "address": NODE_NAME}],
-        "nodeInfo": {"kubeletVersion": KUBE_VERSION["gitVersion"], "kubeProxyVersion": "", "osImage": "kubesim",
-                     "kernelVersion": platform.release(), "containerRuntimeVersion": "process://kubesim",
-                     "operatingSystem": "linux", "architecture": "amd64", "machineID": "", "systemUUID": "",
-                     "bootID": ""},
-    }
-
-
 class Cluster:
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()
@@ -171,6 +173,9 @@ class Cluster:
         self.state_dir = self.config.state_dir or self._temporary_dir("kubesim-node-")
         self.volumes = VolumeFiles(os.path.join(self.state_dir, "volumes"), self.config.container_disk_dir)
         self.server = ApiServer(self.store, self.tokens, self.config.bookmark_interval, tls)
+        self.server.admin_user = ADMIN_USER
+        self.server.node_power = lambda name, on: (self.power_on_node if on else self.power_off_node)(name)
+        self.server.node_report = lambda: self.nodes.report()
         self.components: list[Component] = []
         self.address = ""
         self.kubeconfig = ""
@@ -178,7 +183,9 @@ class Cluster:
             self.store.add_type(rtype)
         self.components += [CRDController(self.store), GarbageCollector(self.store),
                             NamespaceController(self.store)]
-        for part in (network, workloads, kubelet, storage, kubevirt, cdi, upload):
+        self.nodes: nodes.Nodes
+        for part in (nodes, network, scheduler, workloads, kubelet, nodelifecycle, tainteviction, storage, kubevirt,
+                     cdi, upload):
             part.install(self)
 
     @property
@@ -204,6 +211,17 @@ class Cluster:
         """The kubeconfig the kubelet gave a pod's processes (KUBECONFIG). KeyError for a pod it has not started."""
         return self._kubelet().kubeconfig_of(namespace, pod)
 
+    def power_off_node(self, name: str) -> None:
+        """Node `name` loses power: its kubelet stops renewing its Lease and posting its status, and its pods'
+        processes die unreported, as a powered-off machine's would. KeyError for an unknown node."""
+        self.nodes.power_off(name)
+        self._kubelet().power_off(name)
+
+    def power_on_node(self, name: str) -> None:
+        """Node `name` boots again: its kubelet reports Ready and goes through the pods still bound to it."""
+        self.nodes.power_on(name)
+        self._kubelet().power_on(name)
+
     def _temporary_dir(self, prefix: str) -> str:
         directory = tempfile.mkdtemp(prefix=prefix)
         self._temporary.append(directory)
@@ -222,6 +240,7 @@ class Cluster:
 
     def stop(self) -> None:
         self.server.stop()
+        self.nodes.stop()
         for component in reversed(self.components):
             try:
                 component.stop()
@@ -261,12 +280,7 @@ class Cluster:
         store = self.store
         for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
             store.create(store.type("/namespaces"), {"metadata": {"name": name}})
-        store.create(store.type("/nodes"), {
-            "metadata": {"name": NODE_NAME, "labels": {"kubernetes.io/hostname": NODE_NAME}},
-        })
-        # What the kubelet reports of its node (`kubectl get nodes`: Ready, its version and address).
-        store.mutate(store.type("/nodes"), "", NODE_NAME, lambda node: node.update(status=_node_status()),
-                     subresource="status", manager="kubelet")
+        self.nodes.start()  # the kubelets register their nodes and take their Leases in kube-node-lease
         crd_type = store.type(CRD_KEY)
         for filename in CRD_FILES:
             text = package_files.files("kubesim").joinpath("crds", filename).read_text(encoding="utf-8")

@@ -1,4 +1,9 @@
-"""The kubelet of the simulator's one node, `kubesim-node`: it schedules, runs and reports every pod.
+"""The kubelets of the simulator's nodes (kubesim/nodes.py): they run and report the pods bound to their node.
+
+One Kubelet serves every node: a pod is its node's as soon as the scheduler (kubesim/scheduler.py) binds it. A
+node without power (nodes.power_off) is a kubelet that does nothing: its pods' processes are killed, and nothing
+about them is reported or done (a pod deleted there stays Terminating), until the node is powered on again. Then
+its kubelet restarts their containers (a reboot: restartCount goes up) or finishes their deletion.
 
 Mode "process": containers whose image matches `config.local_image` (the project's own image) run as local
 processes, each in its own session and process group, on the pod's IP from `config.pod_cidr` (all of
@@ -54,7 +59,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import errors
+from . import errors, nodes
 from .containers import POD_LABEL, SIM_PID_LABEL, Mount, Podman, RunSpec
 from .cpu import unpinned
 from .loop import ControlLoop, status_only
@@ -67,8 +72,8 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
-NODE_NAME = "kubesim-node"  # the one node, whose kubelet this is
-HOST_IP = "127.0.0.1"
+NODE_NAME = nodes.NODE_NAME
+HOST_IP = nodes.HOST_IP
 BACKOFF_START, BACKOFF_CAP = 1.0, 10.0
 RETRY_SECONDS = 1.0  # a missing Secret or ConfigMap is looked for again this often
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -420,6 +425,7 @@ class PodRuntime:
     ip: str
     dir: str
     start_time: str
+    node: str
     containers: dict[str, Container] = field(default_factory=dict)
     env: dict[str, dict[str, str]] = field(default_factory=dict)
     mounts: list[tuple[str, str]] = field(default_factory=list)  # process mode: (mountPath, host directory)
@@ -505,6 +511,7 @@ class Kubelet(ControlLoop):
         self.cluster = cluster
         self.config = cluster.config
         self.net = network_of(cluster)
+        self.nodes: nodes.Nodes = cluster.nodes
         self.fake = self.config.kubelet_mode == "fake"
         self.podman = Podman(self.config.container_storage) if self.config.kubelet_mode == "container" else None
         self.local_image = re.compile(self.config.local_image)
@@ -543,18 +550,14 @@ class Kubelet(ControlLoop):
             rt = None
         if pod is None:
             return None
+        node = (pod.get("spec") or {}).get("nodeName") or ""
+        if not self.nodes.up(node):
+            return None  # not scheduled yet, bound to a node that does not exist here, or to one without power
         if pod["metadata"].get("deletionTimestamp"):
             return self._terminate(key, pod, rt)
-        if (pod.get("spec") or {}).get("nodeName") not in (None, "", NODE_NAME):
-            return None  # bound to a node that does not exist here
-        if not pod["spec"].get("nodeName"):
-            pod = store.mutate(pod_type, ns, name, lambda o: o["spec"].update(nodeName=NODE_NAME),
-                               manager="default-scheduler", only="spec")
-            if pod is None:
-                return None
         if rt is None:
             rt = PodRuntime(pod["metadata"]["uid"], self.net.pod_ips.allocate(pod["metadata"]["uid"]),
-                            os.path.join(self.work_dir, f"{ns}_{name}_{pod['metadata']['uid'][:8]}"), now())
+                            os.path.join(self.work_dir, f"{ns}_{name}_{pod['metadata']['uid'][:8]}"), now(), node)
             with self._lock:
                 self.pods[key] = rt
         if self.fake:
@@ -574,6 +577,24 @@ class Kubelet(ControlLoop):
                 wait = rt.token_refresh_at - time.monotonic()
             again = wait if again is None else min(again, wait)
         return again
+
+    # ---- node power (kubesim/nodes.py)
+
+    def power_off(self, node: str) -> None:
+        """The node lost power: every process of its pods dies, and nothing about it is reported (sync does nothing
+        for a node without power)."""
+        with self._lock:
+            runtimes = [rt for rt in self.pods.values() if rt.node == node]
+        for rt in runtimes:
+            for c in rt.containers.values():
+                if c.proc is not None and c.proc.poll() is None:
+                    self._signal(c, signal.SIGKILL)
+
+    def power_on(self, node: str) -> None:
+        """The node booted: its kubelet goes through every pod bound to it."""
+        pods, _ = self.store.list(self.store.type("/pods"), fields_=lambda pod: pod["spec"].get("nodeName") == node)
+        for pod in pods:
+            self.enqueue((pod["metadata"].get("namespace", ""), pod["metadata"]["name"]))
 
     # ---- service account tokens
 

@@ -100,6 +100,11 @@ class ApiServer:
         self.subresource_apis: dict[tuple[str, str], SubresourceAPI] = {}
         # pods/log: the kubelet's captured output of a container, by (namespace, pod, pod uid, container).
         self.container_logs: Callable[[str, str, str, str], podlogs.ContainerLog | None] | None = None
+        # kubesim's admin API, for admin_user only: (node, power on?) switches a node's power (Cluster.power_off_node);
+        # node_report() says which nodes have power and how many heartbeat writes their kubelets made.
+        self.node_power: Callable[[str, bool], None] | None = None
+        self.node_report: Callable[[], dict[str, Any]] | None = None
+        self.admin_user = ""
         self.requests = 0
         # apiserver_request_total: requests by (verb, group, version, resource, subresource, scope, code).
         self.request_counts: dict[tuple[str, ...], int] = {}
@@ -569,6 +574,28 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         self._end_with(data)
 
+    def _node_power(self, method: str, path: str) -> None:
+        """kubesim's own admin API, which no real API server has, the cluster admin's only: POST
+        /kubesim/v1/nodes/{name}/power-off (or power-on) is how a test that runs kubesim as a process loses a node;
+        GET /kubesim/v1/nodes says which nodes have power and counts the kubelets' heartbeat writes (their Lease
+        renewals and status posts), which a count of the cluster's writes leaves out to see everyone else's."""
+        parts = path.split("/")  # "", "kubesim", "v1", "nodes", name, action
+        power, report = self.api.node_power, self.api.node_report
+        if parts[1:4] != ["kubesim", "v1", "nodes"] or power is None or report is None or not (
+                len(parts) == 4 or (len(parts) == 6 and parts[5] in ("power-off", "power-on"))):
+            raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        if method != ("GET" if len(parts) == 4 else "POST"):
+            raise errors.method_not_allowed()
+        if self.user != self.api.admin_user:
+            raise errors.forbidden(f'User "{self.user}" cannot use kubesim\'s admin API')
+        if len(parts) == 4:
+            return self._send_json(200, report())
+        try:
+            power(parts[4], parts[5] == "power-on")
+        except KeyError:
+            raise errors.not_found("nodes", parts[4]) from None
+        self._send_json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
+
     def _end_with(self, body: bytes) -> None:
         """end_headers and the body in one write: one TLS record and one TCP segment rather than two, so the
         client wakes once (the headers wait in BaseHTTPRequestHandler's own buffer until then)."""
@@ -610,6 +637,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send_json(200, doc)
         if path.startswith("/openapi/"):
             raise errors.ApiError(404, "NotFound", "the server could not find the requested resource")
+        if path.startswith("/kubesim/"):
+            return self._node_power(method, path)
         parts = [p for p in path.split("/") if p]
         if parts[0] == "api" and len(parts) >= 2:
             group, version, rest = "", parts[1], parts[2:]

@@ -146,9 +146,17 @@ def test_a_waiting_agent_is_rendered_with_the_fleet_settings_it_runs() -> None:
     assert rollout.running_settings(NEW, have) is None
 
 
+def test_a_waiting_agent_keeps_the_node_loss_toleration_it_runs() -> None:
+    have = agent("vm00", dataclasses.replace(OLD, agent_node_loss_toleration=120))
+    running = rollout.running_settings(NEW, have)
+    assert running is not None and running.agent_node_loss_toleration == 120
+    assert rollout.revision(running) == rollout.revision_of(have)
+
+
 def test_the_revision_follows_the_fleet_fields_only() -> None:
     assert rollout.revision(OLD) != rollout.revision(NEW)
     assert rollout.revision(OLD) != rollout.revision(dataclasses.replace(OLD, agent_log_level="debug"))
+    assert rollout.revision(OLD) != rollout.revision(dataclasses.replace(OLD, agent_node_loss_toleration=60))
     assert rollout.revision(OLD) == rollout.revision(dataclasses.replace(OLD, workers=3, rollout_batch="1"))
 
 
@@ -242,6 +250,7 @@ def test_the_pool_deployment_names_no_member() -> None:
     assert one["spec"]["template"] == two["spec"]["template"]  # a new member restarts nothing
     assert one["metadata"]["name"] == "lab-virtbmc-pool"
     assert "--pool-secret" in one["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert one["spec"]["template"]["spec"]["tolerations"] == desired.node_loss_tolerations(30)  # as a dedicated one
 
 
 def ref(name: str) -> Any:

@@ -172,6 +172,39 @@ def test_the_agent_log_level_setting_reaches_the_agents_own_flag(monkeypatch: py
     assert agent_flags.parse_args(container["args"][1:]).log_level == level
 
 
+@pytest.mark.parametrize(("environment", "flags", "seconds"), [
+    ({}, [], 30),
+    ({"KUBEVBMC_AGENT_NODE_LOSS_TOLERATION": "120"}, [], 120),
+    ({"KUBEVBMC_AGENT_NODE_LOSS_TOLERATION": "120"}, ["--agent-node-loss-toleration", "0"], 0),
+])
+def test_the_agent_tolerates_a_lost_node_for_the_configured_seconds_not_kubernetes_300(
+        monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], flags: list[str], seconds: int) -> None:
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    controller_flags = argparse.ArgumentParser()
+    add_arguments(controller_flags)
+    settings = settings_from(controller_flags.parse_args(flags))
+    pod = desired.desired_deployment(bmc(), "vm", settings, secret(username="u", password="p"),
+                                     None)["spec"]["template"]["spec"]
+    # Both taints the node lifecycle controller puts on a lost node, NoExecute: with these the API server's
+    # DefaultTolerationSeconds admission adds none of its 300 s ones.
+    assert pod["tolerations"] == [
+        {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": seconds},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": seconds}]
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "86401", "30s"])
+def test_a_node_loss_toleration_that_is_not_whole_seconds_up_to_a_day_is_refused(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    controller_flags = argparse.ArgumentParser()
+    add_arguments(controller_flags)
+    with pytest.raises(SystemExit):
+        controller_flags.parse_args([f"--agent-node-loss-toleration={value}"])
+    assert "not a number of seconds from 0 to 86400" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("environment", "flags", "pod_secrets"), [
     ({}, [], None),  # none: the pod spec has no imagePullSecrets at all
     ({"KUBEVBMC_AGENT_IMAGE_PULL_SECRETS": "registry, mirror,,registry"}, [], ["registry", "mirror"]),

@@ -46,7 +46,7 @@ CUSTOM: Obj = {
     "agent": {"image": {"repository": "registry.example.com/infra/kubevbmc-agent", "tag": "1.2.3-a",
                         "pullPolicy": "Never"},
               "imagePullSecrets": [{"name": "agent-registry"}, {"name": "mirror.example.com"}],
-              "serviceType": "LoadBalancer", "logLevel": "warning"},
+              "serviceType": "LoadBalancer", "logLevel": "warning", "nodeLossTolerationSeconds": 90},
     "imagePullSecrets": [{"name": "registry-creds"}],
     "watchNamespace": "bmcs",
     "workers": 2,
@@ -160,6 +160,8 @@ def test_helm_lint_finds_no_errors_and_no_warnings(values: Obj | None) -> None:
     ({"replicas": 2, "leaderElection": {"enabled": False}}, "/leaderElection/enabled"),
     ({"agent": {"serviceType": "ExternalName"}}, "/agent/serviceType"),
     ({"agent": {"logLevel": "trace"}}, "/agent/logLevel"),
+    ({"agent": {"nodeLossTolerationSeconds": -1}}, "/agent/nodeLossTolerationSeconds"),
+    ({"agent": {"nodeLossTolerationSeconds": "30s"}}, "/agent/nodeLossTolerationSeconds"),
     ({"logFormat": "xml"}, "/logFormat"),
     ({"logLevel": "verbose"}, "/logLevel"),
     ({"watchNamespace": "Not_A_Namespace"}, "/watchNamespace"),
@@ -258,6 +260,7 @@ def test_default_values_render_a_locked_down_controller_with_its_rbac(chart: hel
     assert settings.agent_image_pull_secrets == ()
     assert settings.default_service_type == "ClusterIP"
     assert settings.agent_log_level == "info"
+    assert settings.agent_node_loss_toleration == 30
     assert (settings.rollout_batch, settings.rollout_timeout) == ("10%", 600)
     assert settings.namespace == ""  # every namespace
     assert settings.leader_elect and settings.lease_name == "kubevbmc"
@@ -292,6 +295,7 @@ def test_custom_values_reach_the_pod_the_controller_flags_and_the_bindings(chart
     assert settings.agent_image_pull_secrets == ("agent-registry", "mirror.example.com")
     assert settings.default_service_type == "LoadBalancer"
     assert settings.agent_log_level == "warning"
+    assert settings.agent_node_loss_toleration == 90
     assert settings.namespace == "bmcs" and settings.workers == 2
     assert settings.leader_elect and settings.metrics_address == "$(POD_IP):9090"
     assert flag(container, "log-format") == "json" and flag(container, "log-level") == "debug"

@@ -87,6 +87,17 @@ class Sim:
                     found.append(int(pid))
         return sorted(found)
 
+    def power_off_node(self, name: str) -> None:
+        """Node `name` loses power (kubesim's admin API): its kubelet stops renewing its Lease and posting its status,
+        and its pods' processes die unreported."""
+        reply = call(self.api(), "POST", f"/kubesim/v1/nodes/{name}/power-off")
+        assert reply.status == 200, reply.body
+
+    def power_on_node(self, name: str) -> None:
+        """Node `name` boots again: its kubelet posts Ready and goes through the pods still bound to it."""
+        reply = call(self.api(), "POST", f"/kubesim/v1/nodes/{name}/power-on")
+        assert reply.status == 200, reply.body
+
     def stop(self) -> int:
         self.process.terminate()
         try:
