@@ -1,7 +1,8 @@
 """The BMC's page in a real browser (headless Chromium, tests/support/browser.py) against agents on kubesim: log in,
 watch power change when ipmitool powers the VM on, read the serial login prompt and type a line that echoes, see the
 screen show the boot and change after a reset, insert an image and watch its task complete, power off from the
-page, log out and see the consoles close; on a narrow screen too, and for a member of a pooled agent."""
+page, light identify and see IPMI turn it off, log out and see the consoles close; on a narrow screen too, and
+for a member of a pooled agent."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..support.agents import PASSWORD, USER, AgentProcess, agent_for_vm, free_po
 from ..support.browser import chromium, console_errors, screenshot
 from ..support.cluster import Sim, wait_for
 from ..support.rfb import screen_text
-from ..support.vms import printable
+from ..support.vms import get_vm, printable
 
 SCREEN_PIXELS = """
 const canvas = document.querySelector('#screen canvas');
@@ -315,6 +316,31 @@ def test_a_refusal_shows_the_bmcs_own_message(agent: AgentProcess, browser: Any)
     until(browser, lambda d: text_of(d, '[data-slot="Cd"] .task-message') == expected, "the BMC's own reason")
     assert "error" in browser.find_element(By.CSS_SELECTOR, '[data-slot="Cd"] .task-message').get_attribute("class")
     screenshot(browser, "page-refusal")
+
+
+def identify_annotation(api: client.ApiClient, namespace: str) -> str | None:
+    annotations = (get_vm(api, namespace)["metadata"].get("annotations") or {})
+    return annotations.get("bmc.kubevirt.io/identify")
+
+
+def test_identify_from_the_page_is_the_one_ipmi_and_redfish_see(agent: AgentProcess, browser: Any,
+                                                                 api: client.ApiClient, namespace: str) -> None:
+    log_in(browser, agent.page)  # type: ignore[attr-defined]
+    until(browser, lambda d: text_of(d, "#identify") == "Identify: off", "identify shown off")
+    assert identify_annotation(api, namespace) is None
+
+    browser.find_element(By.ID, "identify-toggle").click()
+    until(browser, lambda d: text_of(d, "#identify") == "Identify: lit", "identify shown lit")
+    assert agent.redfish("GET", "/redfish/v1/Systems/vm")[1]["LocationIndicatorActive"] is True
+    assert agent.redfish("GET", "/redfish/v1/Chassis/vm")[1]["LocationIndicatorActive"] is True
+    assert identify_annotation(api, namespace) == "on"  # kept in the cluster, beside the VM
+    assert browser.find_element(By.ID, "identify-toggle").text == "Stop identifying"
+
+    # Turned off by another client (IPMI), the page follows without a reload.
+    assert agent.ipmitool("chassis", "identify", "0").returncode == 0
+    until(browser, lambda d: text_of(d, "#identify") == "Identify: off", "the page following IPMI's identify off")
+    assert identify_annotation(api, namespace) is None
+    assert browser.find_element(By.ID, "identify-toggle").text == "Identify"
 
 
 def test_the_keyboard_leaves_the_terminal_and_reaches_the_screen(agent: AgentProcess, browser: Any) -> None:
